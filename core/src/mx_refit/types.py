@@ -1,0 +1,203 @@
+"""Domain types shared by the catalog, the transport, the publisher and the receiver.
+
+Plain dataclasses with no torch/nixl/grpc imports so that every layer (and every plugin) can
+speak them without paying for heavy imports.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "DTYPE_SIZES",
+    "MemType",
+    "MeshPosition",
+    "PublishedTensor",
+    "ReadOp",
+    "RefitStats",
+    "Role",
+    "SourceInfo",
+    "TargetLayout",
+    "TensorDescriptor",
+    "VersionInfo",
+    "VersionState",
+]
+
+# Element sizes of the dtypes the catalog accepts (torch names, without the "torch." prefix).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+class Role(str, enum.Enum):
+    """How a published tensor relates to its full (global) Megatron tensor."""
+
+    REPLICATED = "replicated"  # the full tensor on every rank that holds it
+    COLUMN = "column"  # split on dim 0
+    ROW = "row"  # split on dim 1
+    VOCAB_PARALLEL = "vocab_parallel"  # split on dim 0, padded vocabulary
+    QKV_COLUMN = "qkv_column"  # fused, group-interleaved [q..., k, v] split on dim 0
+    GATED_MLP_COLUMN = "gated_mlp_column"  # each rank holds [gate_r; up_r]
+    EXPERT_COLUMN = "expert_column"  # one expert's fc1 ([gate; up]), maybe split by expert-TP
+    EXPERT_ROW = "expert_row"  # one expert's fc2, maybe split on dim 1 by expert-TP
+
+
+class MemType(str, enum.Enum):
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class VersionState(str, enum.Enum):
+    PENDING = "PENDING"  # fewer than the expected sources are registered and ready
+    READY = "READY"  # every expected source is ready; readers may discover and lease it
+    DRAINING = "DRAINING"  # the publisher retired it: no new leases, live leases may finish
+    RETIRED = "RETIRED"  # drained; its buffers may be mutated
+    EXPIRED = "EXPIRED"  # a source died (missed heartbeats); never offered again
+
+
+@dataclass(frozen=True)
+class MeshPosition:
+    """A rank's place in the (tp, pp, ep) mesh of the publishing job."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    def validate(self) -> None:
+        for axis in ("tp", "pp", "ep"):
+            rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
+            if size < 1:
+                raise ValueError(f"mesh.{axis}_size must be >= 1, got {size}")
+            if not 0 <= rank < size:
+                raise ValueError(f"mesh.{axis}_rank must be in [0, {size}), got {rank}")
+
+
+@dataclass(frozen=True)
+class TensorDescriptor:
+    """One registered, published tensor (a native shard) as recorded in the catalog.
+
+    ``global_shape`` is the shape of the full (unsharded) tensor; ``local_shape`` the shard the
+    source holds, starting at ``shard_offset`` along ``shard_axis`` (``-1`` when not sharded).
+    ``addr``/``nbytes`` locate the contiguous bytes inside the source's registered memory.
+    """
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    addr: int
+    nbytes: int
+    role: Role = Role.REPLICATED
+    shard_axis: int = -1
+    shard_offset: int = 0
+    mem_type: MemType = MemType.DRAM
+    device_id: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """A publishing process (a trainer rank or a replica) and everything a reader needs of it."""
+
+    source_id: str
+    mesh: MeshPosition
+    agent_name: str
+    agent_metadata: bytes
+    tensors: tuple[TensorDescriptor, ...]
+    ready: bool = False
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """A version's manifest: all its sources, their descriptors and the model-level sidecar."""
+
+    model: str
+    version: int
+    state: VersionState
+    expected_sources: int
+    sources: tuple[SourceInfo, ...]
+    sidecar: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """The layout a receiver (an inference worker) needs.
+
+    ``full_tensors=True`` asks for whole HF tensors (the engine's loader shards them itself);
+    otherwise only this rank's TP/EP slice of each HF tensor is planned and pulled.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    full_tensors: bool = True
+
+
+@dataclass
+class PublishedTensor:
+    """What a trainer-side collector hands the publisher: a live tensor plus its shard geometry.
+
+    The tensor is registered in place (never copied); it must be contiguous.
+    """
+
+    name: str
+    tensor: "torch.Tensor"
+    role: Role = Role.REPLICATED
+    global_shape: tuple[int, ...] | None = None  # None: same as the local shape
+    shard_axis: int = -1
+    shard_offset: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """One contiguous byte range: ``nbytes`` at ``remote_addr`` of a source land at
+    ``local_offset`` of the receiver's arena."""
+
+    source_id: str
+    remote_addr: int
+    nbytes: int
+    local_offset: int
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """What one refit cycle moved and how long it took (reported to ``mx_refit_refit_done``)."""
+
+    model: str
+    version: int
+    tensors: int
+    bytes_pulled: int
+    bytes_needed: int
+    descriptors: int
+    seconds: float
+    new_registrations: int
+    sources: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_pulled / self.seconds / 1e9 if self.seconds > 0 else 0.0
