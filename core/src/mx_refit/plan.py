@@ -1,0 +1,179 @@
+"""Receive plans: which bytes of which sources land where, and how they become HF tensors.
+
+:class:`ReceivePlan` is the contract between planners (the built-in full-tensor planner below,
+the Megatron layout engine in :mod:`mx_refit.layout`) and the :class:`~mx_refit.receiver.Receiver`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from mx_refit.errors import CoverageError, InvalidArgument
+from mx_refit.types import DTYPE_SIZES, ReadOp, Role, TensorDescriptor, VersionInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["FullTensorPlan", "ReceivePlan", "plan_full_tensors"]
+
+# Roles whose shards are plain slices of the published tensor; anything else needs a layout
+# engine to become HF tensors.
+_PLAIN_ROLES = {Role.REPLICATED, Role.COLUMN, Role.ROW, Role.VOCAB_PARALLEL}
+
+
+@runtime_checkable
+class ReceivePlan(Protocol):
+    """What a planner hands the receiver.
+
+    ``reads`` cover every byte the worker needs (coverage is the planner's job); their
+    ``local_offset`` values index an arena of ``arena_bytes`` bytes. ``materialize`` turns the
+    filled arena into ``(hf_name, tensor)`` pairs: views where the bytes already sit in HF
+    layout, at most one copy per tensor otherwise.
+    """
+
+    reads: list[ReadOp]
+    arena_bytes: int
+    bytes_needed: int
+    bytes_by_role: dict[str, tuple[int, int]]
+
+    def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]: ...
+
+
+@dataclass
+class _Placement:
+    """One output tensor: a region of the arena, plus staged shards to copy in (dim > 0 splits)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    # (axis, start along axis, local shape, staging offset) for shards that need one local copy
+    staged: list[tuple[int, int, tuple[int, ...], int]] = field(default_factory=list)
+
+
+@dataclass
+class FullTensorPlan:
+    """Whole published tensors, assembled from whichever sources cover them."""
+
+    reads: list[ReadOp]
+    arena_bytes: int
+    bytes_needed: int
+    bytes_by_role: dict[str, tuple[int, int]]
+    placements: list[_Placement]
+
+    @property
+    def tensors(self) -> int:
+        return len(self.placements)
+
+    def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
+        import torch
+
+        for p in self.placements:
+            dtype = getattr(torch, p.dtype)
+            nbytes = math.prod(p.shape) * DTYPE_SIZES[p.dtype]
+            out = arena[p.offset : p.offset + nbytes].view(dtype).view(p.shape)
+            for axis, start, local_shape, staging in p.staged:
+                n = math.prod(local_shape) * DTYPE_SIZES[p.dtype]
+                shard = arena[staging : staging + n].view(dtype).view(local_shape)
+                out.narrow(axis, start, local_shape[axis]).copy_(shard)
+            yield p.name, out
+
+
+def _align(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def plan_full_tensors(version: VersionInfo) -> FullTensorPlan:
+    """Plan whole tensors for every distinct published name.
+
+    A full copy (``shard_axis == -1``) is read from one source, spreading names over sources so
+    replicated tensors do not all hit one rank. Sharded tensors are assembled from shards that
+    tile the global extent: dim-0 shards land directly in place (no copy), shards of other dims
+    are staged and placed with one local copy. Bytes on the wire equal bytes needed.
+
+    :raises CoverageError: some tensor's extent is not covered; lists every gap.
+    :raises InvalidArgument: a role that needs the layout engine (fused QKV, gated MLP, experts).
+    """
+    by_name: dict[str, list[tuple[str, TensorDescriptor]]] = {}
+    for source in sorted(version.sources, key=lambda s: s.source_id):
+        for desc in source.tensors:
+            by_name.setdefault(desc.name, []).append((source.source_id, desc))
+
+    reads: list[ReadOp] = []
+    placements: list[_Placement] = []
+    by_role: dict[str, list[int]] = {}
+    gaps: list[tuple[str, str]] = []
+    cursor = 0
+    staging: list[tuple[_Placement, str, TensorDescriptor]] = []
+
+    for index, (name, holders) in enumerate(by_name.items()):
+        first = holders[0][1]
+        if first.role not in _PLAIN_ROLES:
+            raise InvalidArgument(
+                f"tensors[{name!r}].role: {first.role.value!r} needs a layout engine "
+                "(sidecar 'megatron.config' missing, or the Megatron plugin is disabled)"
+            )
+        shape = tuple(first.global_shape)
+        nbytes = math.prod(shape) * first.itemsize
+        placement = _Placement(name=name, dtype=first.dtype, shape=shape, offset=cursor)
+        cursor = _align(cursor + nbytes)
+        counters = by_role.setdefault(first.role.value, [0, 0])
+        counters[1] += nbytes
+
+        full = [(sid, d) for sid, d in holders if d.shard_axis < 0]
+        if full:
+            sid, d = full[index % len(full)]
+            reads.append(ReadOp(sid, d.addr, d.nbytes, placement.offset))
+            counters[0] += d.nbytes
+            placements.append(placement)
+            continue
+
+        axis = first.shard_axis
+        extent = shape[axis]
+        chosen: dict[int, tuple[str, TensorDescriptor]] = {}
+        for sid, d in holders:
+            chosen.setdefault(d.shard_offset, (sid, d))  # a second replica of a shard adds nothing
+        covered = 0
+        for start in sorted(chosen):
+            sid, d = chosen[start]
+            if start > covered:
+                gaps.append((name, f"dim {axis} [{covered}, {start})"))
+            if start < covered:
+                raise InvalidArgument(
+                    f"tensors[{name!r}].shard_offset: {start} overlaps the previous shard ending at {covered}"
+                )
+            covered = start + d.local_shape[axis]
+            counters[0] += d.nbytes
+            if axis == 0:
+                row_bytes = math.prod(shape[1:]) * d.itemsize
+                reads.append(ReadOp(sid, d.addr, d.nbytes, placement.offset + start * row_bytes))
+            else:
+                staging.append((placement, sid, d))
+        if covered < extent:
+            gaps.append((name, f"dim {axis} [{covered}, {extent})"))
+        placements.append(placement)
+
+    if gaps:
+        listed = "; ".join(f"{n}: {r}" for n, r in gaps)
+        raise CoverageError(
+            f"version {version.version} of {version.model!r} does not cover {len(gaps)} range(s): {listed}",
+            gaps=gaps,
+        )
+
+    # Staged shards go after every output region so outputs stay densely packed.
+    for placement, sid, d in staging:
+        reads.append(ReadOp(sid, d.addr, d.nbytes, cursor))
+        placement.staged.append((d.shard_axis, d.shard_offset, tuple(d.local_shape), cursor))
+        cursor = _align(cursor + d.nbytes)
+
+    needed = sum(v[1] for v in by_role.values())
+    return FullTensorPlan(
+        reads=reads,
+        arena_bytes=max(cursor, 1),
+        bytes_needed=needed,
+        bytes_by_role={role: (v[0], v[1]) for role, v in by_role.items()},
+        placements=placements,
+    )

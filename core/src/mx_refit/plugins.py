@@ -1,0 +1,192 @@
+"""Plugin manager factory and the typed facade over ``pm.hook``.
+
+Loading is lazy (first hook call), happens once per :class:`Hooks`, and is controlled by:
+
+- ``MX_REFIT_PLUGINS``: comma-separated allow-list of entry-point names. Only these load, and
+  one that cannot be found or imported raises :class:`PluginLoadError`. Unset: every installed
+  plugin loads; one that fails to import is skipped with a warning.
+- ``MX_REFIT_DISABLE_PLUGINS``: comma-separated block-list (wins over the allow-list).
+- ``MX_REFIT_TRACE_PLUGINS=1``: log every hook call and result at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from mx_refit import hookspecs
+from mx_refit.hookspecs import PROJECT_NAME
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mx_refit.hookspecs import RegisterRoleOverride
+    from mx_refit.plan import ReceivePlan
+    from mx_refit.types import MeshPosition, PublishedTensor, RefitStats, TargetLayout, VersionInfo
+
+__all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "Hooks", "PluginLoadError", "get_plugin_manager"]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = PROJECT_NAME
+# Built-in behaviour is itself plugins, registered before third-party ones (pytest's idiom).
+BUILTIN_PLUGINS: tuple[str, ...] = ("mx_refit.builtin", "mx_refit.layout.plugin")
+
+ALLOW_ENV = "MX_REFIT_PLUGINS"
+BLOCK_ENV = "MX_REFIT_DISABLE_PLUGINS"
+TRACE_ENV = "MX_REFIT_TRACE_PLUGINS"
+
+
+class PluginLoadError(RuntimeError):
+    """An allow-listed plugin is missing or failed to import."""
+
+
+def _env_names(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """A fresh manager with the specs added and nothing loaded (no side effects)."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def load_plugins(pm: pluggy.PluginManager) -> None:
+    """Register the built-ins and the allowed entry points, then check every hookimpl."""
+    allowed = _env_names(ALLOW_ENV)
+    blocked = _env_names(BLOCK_ENV) or set()
+    for name in blocked:
+        pm.set_blocked(name)
+
+    for module_name in BUILTIN_PLUGINS:
+        if module_name not in blocked and pm.get_plugin(module_name) is None:
+            pm.register(importlib.import_module(module_name), name=module_name)
+
+    found: set[str] = set()
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.add(ep.name)
+        if ep.name in blocked or (allowed is not None and ep.name not in allowed):
+            continue
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # an allow-listed plugin must fail loudly, others are skipped
+            if allowed is not None:
+                raise PluginLoadError(f"{ALLOW_ENV} plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+            warnings.warn(f"mx-refit plugin {ep.name!r} ({ep.value}) skipped: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        pm.register(plugin, name=ep.name)
+
+    if allowed is not None:
+        missing = sorted(allowed - found - blocked - set(BUILTIN_PLUGINS))
+        if missing:
+            raise PluginLoadError(
+                f"{ALLOW_ENV} names {missing} but no installed distribution provides them in the "
+                f"{ENTRY_POINT_GROUP!r} entry-point group (installed: {sorted(found) or 'none'})"
+            )
+    pm.check_pending()
+    if os.environ.get(TRACE_ENV, "").strip() not in ("", "0"):
+        pm.trace.root.setwriter(log.debug)
+        pm.enable_tracing()
+
+
+class Hooks:
+    """Typed facade: one method per hook. The only code that calls ``pm.hook``.
+
+    :param pm: An existing manager (tests, embedding hosts). ``None`` builds one lazily on first
+        use and loads plugins into it exactly once, thread-safely.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager | None = None, *, load: bool = True) -> None:
+        self._pm = pm
+        self._load = load
+        self._loaded = pm is not None and not load
+        self._lock = threading.Lock()
+
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        if not self._loaded:
+            with self._lock:
+                if not self._loaded:
+                    if self._pm is None:
+                        self._pm = get_plugin_manager()
+                    if self._load:
+                        load_plugins(self._pm)
+                    self._loaded = True
+        assert self._pm is not None
+        return self._pm
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        """Register an extra plugin object (inline plugins, tests)."""
+        return self.pm.register(plugin, name=name)
+
+    def unregister(self, plugin: object) -> None:
+        self.pm.unregister(plugin)
+
+    # -- configuration ------------------------------------------------------------------------
+    def configure(self, settings: dict[str, Any]) -> None:
+        self.pm.hook.mx_refit_configure.call_historic(kwargs={"settings": dict(settings)})
+
+    def register_role_overrides(self, register: "RegisterRoleOverride") -> None:
+        self.pm.hook.mx_refit_register_role_overrides(register=register)
+
+    # -- trainer side ---------------------------------------------------------------------------
+    def collect_tensors(self, model: Any, mesh: "MeshPosition") -> "list[PublishedTensor]":
+        tensors = self.pm.hook.mx_refit_collect_tensors(model=model, mesh=mesh)
+        if tensors is None:
+            raise TypeError(
+                f"no mx-refit plugin can collect tensors from a {type(model).__module__}.{type(model).__qualname__}; "
+                "pass a {name: tensor} mapping, a torch.nn.Module, or install the framework's plugin"
+            )
+        return list(tensors)
+
+    def build_sidecar(self, model: Any, mesh: "MeshPosition") -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.pm.hook.mx_refit_build_sidecar(model=model, mesh=mesh):
+            for key, value in (part or {}).items():
+                if key in merged and merged[key] != value:
+                    raise ValueError(f"sidecar key {key!r} is contributed twice with different values")
+                merged[key] = value
+        return merged
+
+    # -- inference side -------------------------------------------------------------------------
+    def target_layout(self, engine: Any) -> "TargetLayout":
+        from mx_refit.types import TargetLayout
+
+        layout = self.pm.hook.mx_refit_target_layout(engine=engine)
+        return layout if layout is not None else TargetLayout()
+
+    def plan_receive(self, version: "VersionInfo", target: "TargetLayout") -> "ReceivePlan":
+        plan = self.pm.hook.mx_refit_plan_receive(version=version, target=target)
+        if plan is None:
+            raise TypeError(f"no mx-refit plugin can plan version {version.version} of {version.model!r}")
+        return plan
+
+    def load_weights(self, engine: Any, weights: "list[tuple[str, torch.Tensor]]") -> None:
+        if not self.pm.hook.mx_refit_load_weights(engine=engine, weights=weights):
+            raise TypeError(
+                f"no mx-refit plugin can load weights into a {type(engine).__qualname__}; give it a "
+                "load_weights(iterable) method, pass a mapping of tensors, or install the engine's plugin"
+            )
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def version_published(self, model: str, version: int, source_id: str, mesh: "MeshPosition") -> None:
+        self.pm.hook.mx_refit_version_published(model=model, version=version, source_id=source_id, mesh=mesh)
+
+    def version_ready(self, model: str, version: int) -> None:
+        self.pm.hook.mx_refit_version_ready(model=model, version=version)
+
+    def refit_done(self, stats: "RefitStats") -> None:
+        self.pm.hook.mx_refit_refit_done(stats=stats)

@@ -1,0 +1,231 @@
+"""Inference side: discover a READY version, lease it, pull exactly what this worker needs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mx_refit._heartbeat import Heartbeat
+from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, TransferError
+from mx_refit.types import MemType, RefitStats, TargetLayout, VersionInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mx_refit.catalog.client import CatalogClient
+    from mx_refit.plan import ReceivePlan
+    from mx_refit.plugins import Hooks
+    from mx_refit.transport.nixl import NixlTransport
+
+__all__ = ["Receiver", "RefitResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RefitResult:
+    """One completed refit. ``tensors`` are views of the receive arena: valid until the next
+    refit reuses it (engines copy them into their own parameters)."""
+
+    version: VersionInfo
+    plan: "ReceivePlan"
+    tensors: list[tuple[str, "torch.Tensor"]]
+    stats: RefitStats
+
+
+class Receiver:
+    """One inference worker's receiving endpoint.
+
+    :param catalog: Catalog address (``host:port``) or a :class:`CatalogClient`.
+    :param target: The layout this worker needs; ``None`` asks the plugins (from ``engine``).
+    :param engine: Optional engine object; when given, received tensors are loaded into it through
+        the ``mx_refit_load_weights`` hook in batches of at most ``load_batch_bytes``.
+    :param device: Where the receive arena lives (``"cpu"`` or ``"cuda:N"``).
+    """
+
+    def __init__(
+        self,
+        catalog: "str | CatalogClient",
+        model: str,
+        *,
+        target: TargetLayout | None = None,
+        engine: Any = None,
+        device: str = "cpu",
+        reader_id: str | None = None,
+        token: str | None = None,
+        transport: "NixlTransport | None" = None,
+        hooks: "Hooks | None" = None,
+        lease_ttl_s: float = 60.0,
+        transfer_timeout_s: float = 120.0,
+        load_batch_bytes: int = 512 << 20,
+    ) -> None:
+        from mx_refit.catalog.client import CatalogClient
+        from mx_refit.plugins import Hooks
+
+        self.model = model
+        self.client = catalog if isinstance(catalog, CatalogClient) else CatalogClient(catalog, token=token)
+        self.hooks = hooks or Hooks()
+        self.engine = engine
+        self.target = target or self.hooks.target_layout(engine)
+        self.device = device
+        self.reader_id = reader_id or f"reader-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.lease_ttl_s = lease_ttl_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.load_batch_bytes = load_batch_bytes
+        self._owns_transport = transport is None
+        if transport is None:
+            from mx_refit.transport.nixl import NixlTransport
+
+            transport = NixlTransport(f"mx-recv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.transport = transport
+        self._arena: "torch.Tensor | None" = None
+
+    # -- discovery ----------------------------------------------------------------------------
+    def discover(self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0) -> VersionInfo:
+        """The exact READY ``version``, or the newest READY one >= ``min_version``.
+
+        With ``wait_s`` > 0, keeps asking until one appears or the time runs out.
+        """
+        deadline = time.monotonic() + wait_s
+        delay = 0.02
+        while True:
+            try:
+                return self.client.get_version(model=self.model, version=version, min_version=min_version)
+            except (NotFound, FailedPrecondition):
+                if time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    # -- the refit cycle ------------------------------------------------------------------------
+    def refit(self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0) -> RefitResult:
+        """Discover, lease, pull every needed byte, release, then materialise and load.
+
+        Nothing reaches the engine until every byte has arrived and been size-checked, so a
+        failed pull leaves the engine's previous weights untouched.
+        """
+        info = self.discover(version, min_version=min_version, wait_s=wait_s)
+        plan = self.hooks.plan_receive(info, self.target)
+        registrations_before = self.transport.registrations
+        descriptors_before = self.transport.descriptors_posted
+
+        lease_id = self.client.acquire_lease(
+            model=self.model, version=info.version, reader_id=self.reader_id, ttl_s=self.lease_ttl_s
+        )
+        heartbeat = Heartbeat(
+            lambda: self.client.heartbeat(lease_ids=[lease_id]),
+            self.lease_ttl_s / 3,
+            name=f"mx-refit-lease[{self.reader_id}]",
+        )
+        heartbeat.start()
+        try:
+            arena = self._arena_for(plan.arena_bytes)
+            started = time.perf_counter()
+            pulled = self._pull(info, plan, arena)
+            seconds = time.perf_counter() - started
+        finally:
+            heartbeat.stop()
+            self._release(lease_id)
+
+        tensors = list(plan.materialize(arena))
+        if self.engine is not None:
+            for batch in _batches(tensors, self.load_batch_bytes):
+                self.hooks.load_weights(self.engine, batch)
+        stats = RefitStats(
+            model=self.model,
+            version=info.version,
+            tensors=len(tensors),
+            bytes_pulled=pulled,
+            bytes_needed=plan.bytes_needed,
+            descriptors=self.transport.descriptors_posted - descriptors_before,
+            seconds=seconds,
+            new_registrations=self.transport.registrations - registrations_before,
+            sources=len({r.source_id for r in plan.reads}),
+        )
+        self.hooks.refit_done(stats)
+        log.info(
+            "refit %s v%d: %d tensors, %.1f MB in %.3fs (%.2f GB/s)",
+            self.model, info.version, stats.tensors, pulled / 1e6, seconds, stats.gbps,
+        )
+        return RefitResult(version=info, plan=plan, tensors=tensors, stats=stats)
+
+    def _release(self, lease_id: str) -> None:
+        try:
+            self.client.release_lease(lease_id=lease_id)
+        except NotFound:
+            # The lease already expired; the publisher may already be mutating, which the size
+            # check cannot see, so say so loudly.
+            log.warning("lease %s had expired before release; consider a longer lease_ttl_s", lease_id)
+
+    def _arena_for(self, nbytes: int) -> "torch.Tensor":
+        """The receive arena: registered once, reused every cycle, grown only when needed."""
+        import torch
+
+        if self._arena is None or self._arena.numel() < nbytes:
+            self._arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.transport.register(self._arena)
+        return self._arena
+
+    def _pull(self, info: VersionInfo, plan: "ReceivePlan", arena: "torch.Tensor") -> int:
+        sources = {s.source_id: s for s in info.sources}
+        ops: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+        base = arena.data_ptr()
+        for read in plan.reads:
+            if read.local_offset < 0 or read.local_offset + read.nbytes > arena.numel():
+                raise InvalidArgument(
+                    f"plan read of {read.nbytes} bytes at arena offset {read.local_offset} exceeds the "
+                    f"{arena.numel()}-byte arena"
+                )
+            ops[read.source_id].append((read.remote_addr, base + read.local_offset, read.nbytes))
+        local_mem = "VRAM" if arena.is_cuda else "DRAM"
+        local_dev = int(arena.device.index or 0) if arena.is_cuda else 0
+        requests = {}
+        for source_id, source_ops in ops.items():
+            source = sources[source_id]
+            self.transport.connect(source_id, source.agent_name, source.agent_metadata)
+            remote = source.tensors[0] if source.tensors else None
+            requests[source_id] = dict(
+                ops=source_ops,
+                remote_mem=(remote.mem_type if remote else MemType.DRAM).value,
+                remote_dev=remote.device_id if remote else 0,
+            )
+        expected = sum(r.nbytes for r in plan.reads)
+        moved = self.transport.read_many(
+            requests, local_mem=local_mem, local_dev=local_dev, timeout_s=self.transfer_timeout_s
+        )
+        if moved != expected:
+            raise TransferError(f"pulled {moved} bytes but the plan needs {expected}")
+        return moved
+
+    def close(self) -> None:
+        if self._owns_transport:
+            self.transport.close()
+        self._arena = None
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _batches(
+    tensors: list[tuple[str, "torch.Tensor"]], max_bytes: int
+) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    batch: list[tuple[str, "torch.Tensor"]] = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if batch and size + nbytes > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append((name, tensor))
+        size += nbytes
+    if batch:
+        yield batch
