@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit._heartbeat import Heartbeat
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, TransferError
-from mx_refit.types import MemType, RefitStats, TargetLayout, VersionInfo
+from mx_refit.types import RefitStats, TargetLayout, VersionInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -185,20 +185,25 @@ class Receiver:
             ops[read.source_id].append((read.remote_addr, base + read.local_offset, read.nbytes))
         local_mem = "VRAM" if arena.is_cuda else "DRAM"
         local_dev = int(arena.device.index or 0) if arena.is_cuda else 0
-        requests = {}
-        for source_id, source_ops in ops.items():
+        remote_mem: dict[str, str] = {}
+        remote_dev: dict[str, int] = {}
+        for source_id in ops:
             source = sources[source_id]
             self.transport.connect(source_id, source.agent_name, source.agent_metadata)
-            remote = source.tensors[0] if source.tensors else None
-            requests[source_id] = dict(
-                ops=source_ops,
-                remote_mem=(remote.mem_type if remote else MemType.DRAM).value,
-                remote_dev=remote.device_id if remote else 0,
-            )
+            kinds = {(d.mem_type, d.device_id) for d in source.tensors}
+            if len(kinds) != 1:
+                raise InvalidArgument(
+                    f"source {source_id!r} publishes tensors in {len(kinds)} memory locations {sorted(kinds)}; "
+                    "one source must publish from one device"
+                )
+            (mem, dev), = kinds
+            remote_mem[source_id], remote_dev[source_id] = mem.value, dev
         expected = sum(r.nbytes for r in plan.reads)
-        moved = self.transport.read_many(
-            requests, local_mem=local_mem, local_dev=local_dev, timeout_s=self.transfer_timeout_s
+        stats = self.transport.read_many(
+            ops, remote_mem=remote_mem, remote_dev=remote_dev,
+            local_mem=local_mem, local_dev=local_dev, timeout_s=self.transfer_timeout_s,
         )
+        moved = sum(s.nbytes for s in stats.values())
         if moved != expected:
             raise TransferError(f"pulled {moved} bytes but the plan needs {expected}")
         return moved

@@ -1,0 +1,1 @@
+"""Small real plugin modules that tests load through (monkeypatched) entry-point discovery."""

@@ -1,0 +1,239 @@
+"""One test per hook (the meta-test in test_plugins.py insists), through the real publisher,
+receiver, embedded gRPC catalog and NIXL agents wherever the hook is called from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mx_refit import hookimpl
+from mx_refit.plan import plan_full_tensors
+from mx_refit.plugins import Hooks
+from mx_refit.publisher import Publisher
+from mx_refit.receiver import Receiver
+from mx_refit.types import MeshPosition, PublishedTensor, RefitStats, Role, TargetLayout
+
+
+@pytest.fixture
+def pair(mx_catalog, mx_model_name):
+    """A publisher and a receiver in this process (two NIXL agents), sharing one Hooks."""
+    hooks = Hooks()
+    pub = Publisher(mx_catalog, mx_model_name, hooks=hooks)
+    rec = Receiver(mx_catalog, mx_model_name, hooks=hooks)
+    yield hooks, pub, rec
+    rec.close()
+    pub.close()
+
+
+def test_hook_mx_refit_configure():
+    hooks = Hooks()
+    hooks.configure({"catalog": "127.0.0.1:1"})
+    seen = []
+
+    class Late:
+        @hookimpl
+        def mx_refit_configure(self, settings):
+            seen.append(settings)
+
+    hooks.register(Late())  # registered after the call: historic replay delivers it
+    assert seen == [{"catalog": "127.0.0.1:1"}]
+
+
+def test_hook_mx_refit_register_role_overrides():
+    hooks = Hooks()
+    rules = []
+
+    class Overrides:
+        @hookimpl
+        def mx_refit_register_role_overrides(self, register):
+            register(role=Role.ROW, pattern="decoder.*.my_proj.weight")
+            register(role="column", module_class="MyColumnLinear", shard_axis=0)
+
+    hooks.register(Overrides())
+    hooks.register_role_overrides(lambda **rule: rules.append(rule))
+    assert {"role": Role.ROW, "pattern": "decoder.*.my_proj.weight"} in rules
+    assert {"role": "column", "module_class": "MyColumnLinear", "shard_axis": 0} in rules
+
+
+def test_hook_mx_refit_collect_tensors(pair):
+    hooks, pub, rec = pair
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+    class Wrapper:  # a framework model object only its plugin understands
+        def __init__(self, w):
+            self.w = w
+
+    class FrameworkPlugin:
+        @hookimpl
+        def mx_refit_collect_tensors(self, model, mesh):
+            if isinstance(model, Wrapper):
+                return [PublishedTensor("w", model.w)]
+            return None
+
+    with pytest.raises(TypeError, match="no mx-refit plugin can collect tensors"):
+        hooks.collect_tensors(Wrapper(weight), MeshPosition())
+    hooks.register(FrameworkPlugin())
+    collected = hooks.collect_tensors(Wrapper(weight), MeshPosition())
+    assert collected[0].tensor.data_ptr() == weight.data_ptr()  # in place, never a copy
+    # the built-in collector still handles plain mappings and modules
+    assert [t.name for t in hooks.collect_tensors(torch.nn.Linear(2, 2, bias=False), MeshPosition())] == ["weight"]
+
+    pub.publish(1, model=Wrapper(weight))
+    (name, tensor), = rec.refit(1).tensors
+    assert name == "w" and torch.equal(tensor, weight)
+
+
+def test_hook_mx_refit_build_sidecar(pair, mx_catalog):
+    hooks, pub, rec = pair
+
+    class A:
+        @hookimpl
+        def mx_refit_build_sidecar(self, model, mesh):
+            return {"framework": {"name": "toy", "tp": mesh.tp_size}}
+
+    class B:
+        @hookimpl
+        def mx_refit_build_sidecar(self, model, mesh):
+            return {"hf_names": ["w"]}
+
+    hooks.register(A())
+    hooks.register(B())
+    pub.publish(1, model={"w": torch.ones(4)})
+    assert rec.discover(1).sidecar == {"framework": {"name": "toy", "tp": 1}, "hf_names": ["w"]}
+
+    class Conflicting:
+        @hookimpl
+        def mx_refit_build_sidecar(self, model, mesh):
+            return {"hf_names": ["other"]}
+
+    hooks.register(Conflicting())
+    with pytest.raises(ValueError, match="'hf_names' is contributed twice"):
+        hooks.build_sidecar({}, MeshPosition())
+
+
+def test_hook_mx_refit_target_layout():
+    hooks = Hooks()
+    assert hooks.target_layout(object()) == TargetLayout()
+
+    class Engine:
+        tp = (1, 4)
+
+    class EnginePlugin:
+        @hookimpl
+        def mx_refit_target_layout(self, engine):
+            return TargetLayout(tp_rank=engine.tp[0], tp_size=engine.tp[1]) if isinstance(engine, Engine) else None
+
+    hooks.register(EnginePlugin())
+    assert hooks.target_layout(Engine()) == TargetLayout(tp_rank=1, tp_size=4)
+
+
+def test_hook_mx_refit_plan_receive(pair):
+    hooks, pub, rec = pair
+    pub.publish(1, [PublishedTensor("a", torch.arange(8.0)), PublishedTensor("b", torch.ones(2, 2))])
+    planned = []
+
+    class OnlyA:  # a planner plugin that pulls a subset
+        @hookimpl
+        def mx_refit_plan_receive(self, version, target):
+            full = plan_full_tensors(version)
+            keep = [p for p in full.placements if p.name == "a"]
+            full.placements = keep
+            full.reads = [r for r in full.reads if r.local_offset == keep[0].offset]
+            planned.append(version.version)
+            return full
+
+    hooks.register(OnlyA())
+    result = rec.refit(1)
+    assert planned == [1]
+    assert [n for n, _ in result.tensors] == ["a"] and torch.equal(result.tensors[0][1], torch.arange(8.0))
+    assert result.stats.bytes_pulled == 32
+
+
+def test_hook_mx_refit_load_weights(mx_catalog, mx_model_name):
+    hooks = Hooks()
+    loaded, around = [], []
+
+    class Engine:
+        def load_weights(self, weights):
+            loaded.extend((n, t.clone()) for n, t in weights)
+
+    class Pause:  # a wrapper, e.g. an engine pausing generation around each load
+        @hookimpl(wrapper=True)
+        def mx_refit_load_weights(self, engine, weights):
+            around.append("pause")
+            result = yield
+            around.append("resume")
+            return result
+
+    hooks.register(Pause())
+    tensors = {f"t{i}": torch.full((256,), float(i)) for i in range(4)}
+    with Publisher(mx_catalog, mx_model_name, hooks=hooks) as pub, Receiver(
+        mx_catalog, mx_model_name, engine=Engine(), hooks=hooks, load_batch_bytes=2048
+    ) as rec:
+        pub.publish(1, [PublishedTensor(n, t) for n, t in tensors.items()])
+        rec.refit(1)
+    assert sorted(n for n, _ in loaded) == sorted(tensors)
+    assert all(torch.equal(t, tensors[n]) for n, t in loaded)
+    assert around == ["pause", "resume"] * 2  # 4 KiB in batches of at most 2 KiB
+
+    target = {"t0": torch.zeros(256)}
+    hooks.load_weights(target, [("t0", tensors["t0"])])
+    assert torch.equal(target["t0"], tensors["t0"])
+    with pytest.raises(TypeError, match="cannot|no mx-refit plugin can load"):
+        Hooks().load_weights(object(), [])
+
+
+def test_hook_mx_refit_version_published(pair):
+    hooks, pub, rec = pair
+    seen = []
+
+    class Watch:
+        @hookimpl
+        def mx_refit_version_published(self, model, version, source_id, mesh):
+            seen.append((model, version, source_id, mesh))
+
+    hooks.register(Watch())
+    pub.publish(3, [PublishedTensor("x", torch.zeros(3))])
+    assert seen == [(pub.model, 3, pub.source_id, MeshPosition())]
+
+
+def test_hook_mx_refit_version_ready(mx_catalog, mx_model_name):
+    hooks = Hooks()
+    ready = []
+
+    class Watch:
+        @hookimpl
+        def mx_refit_version_ready(self, model, version):
+            ready.append(version)
+
+    hooks.register(Watch())
+    ranks = [
+        Publisher(mx_catalog, mx_model_name, mesh=MeshPosition(tp_rank=r, tp_size=2), expected_sources=2, hooks=hooks)
+        for r in range(2)
+    ]
+    try:
+        ranks[0].publish(1, [PublishedTensor("x", torch.zeros(2), Role.COLUMN, (4,), 0, 0)])
+        assert ready == []  # one of two ranks: still PENDING
+        ranks[1].publish(1, [PublishedTensor("x", torch.ones(2), Role.COLUMN, (4,), 0, 2)])
+        assert ready == [1]
+    finally:
+        for p in ranks:
+            p.close()
+
+
+def test_hook_mx_refit_refit_done(pair):
+    hooks, pub, rec = pair
+    stats: list[RefitStats] = []
+
+    class Watch:
+        @hookimpl
+        def mx_refit_refit_done(self, stats):
+            stats_list.append(stats)
+
+    stats_list = stats
+    hooks.register(Watch())
+    pub.publish(1, [PublishedTensor("x", torch.zeros(1024))])
+    rec.refit(1)
+    (s,) = stats
+    assert (s.version, s.tensors, s.bytes_pulled, s.bytes_needed, s.sources) == (1, 1, 4096, 4096, 1)
+    assert s.seconds > 0 and s.gbps > 0 and s.descriptors == 1
