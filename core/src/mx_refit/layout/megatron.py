@@ -1,0 +1,369 @@
+"""Megatron-Core process plumbing for the trainer side of the layout engine.
+
+- CPU shims: megatron-core hard-codes a few CUDA calls that fail on machines without a GPU
+  (``torch.cuda.current_device()`` in rotary embeddings and the global memory buffer, and the
+  CUDA RNG tracker). ``apply_cpu_shims()`` patches exactly those, and only when CUDA is absent.
+- Process groups: ``init_distributed()`` + ``init_model_parallel()`` (gloo on CPU, NCCL on GPU).
+- ``ParallelContext``: this rank's TP/PP/EP/expert-TP coordinates, read from ``parallel_state``.
+- ``build_model_from_hf()``: an HF checkpoint directory -> a Megatron-Core model on this rank,
+  through Megatron-Bridge (``AutoBridge``), with the requested TP/PP/EP.
+
+Everything heavy (torch, megatron) is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from mx_refit.types import MeshPosition
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "BridgedModel",
+    "ParallelContext",
+    "apply_cpu_shims",
+    "build_model_from_hf",
+    "RankFailed",
+    "destroy_distributed",
+    "free_port",
+    "init_distributed",
+    "init_model_parallel",
+    "innermost_module",
+    "is_publishing_rank",
+    "launch_ranks",
+    "mesh_position",
+    "unwrap_model",
+]
+
+_CPU_SHIMS_APPLIED = False
+
+
+def apply_cpu_shims() -> None:
+    """Make megatron-core run on a machine without CUDA (idempotent; no-op when CUDA exists)."""
+    global _CPU_SHIMS_APPLIED
+    import torch
+
+    if _CPU_SHIMS_APPLIED or torch.cuda.is_available():
+        return
+    # RotaryEmbedding.get_emb and GlobalMemoryBuffer.get_tensor call torch.cuda.current_device()
+    # unconditionally; returning the CPU device keeps those tensors on the CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    _CPU_SHIMS_APPLIED = True
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int,
+    device: str = "cpu",
+    timeout_s: float = 300.0,
+) -> None:
+    """Initialise ``torch.distributed`` for one trainer rank (gloo on CPU, NCCL on GPU).
+
+    Must run before Megatron-Bridge's ``provide_distributed_model``, which otherwise calls
+    ``torch.cuda.set_device`` and initialises NCCL itself.
+    """
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl"
+    else:
+        apply_cpu_shims()
+        backend = "gloo"
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def init_model_parallel(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None, *, seed: int = 0) -> None:
+    """``parallel_state.initialize_model_parallel`` plus an RNG tracker that works on CPU."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        # model_parallel_cuda_manual_seed needs the CUDA RNG; this tracker's fork() is a no-op.
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call twice)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's coordinates in every parallel dimension the classifier needs.
+
+    Expert tensors are split by the expert-tensor-parallel group (ETP), which may differ from TP.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+
+    @classmethod
+    def from_parallel_state(cls) -> ParallelContext:
+        """Read ``megatron.core.parallel_state``; a single-rank context when it is not initialised."""
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError:
+            return cls()
+        if not ps.model_parallel_is_initialized():
+            return cls()
+        return cls(
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+        )
+
+    def mesh(self) -> MeshPosition:
+        return MeshPosition(
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            ep_rank=self.ep_rank,
+            ep_size=self.ep_size,
+        )
+
+
+def mesh_position() -> MeshPosition:
+    """This rank's ``MeshPosition`` (tp, pp, ep) for the Publisher."""
+    return ParallelContext.from_parallel_state().mesh()
+
+
+def is_publishing_rank() -> bool:
+    """True on the one rank per (tp, pp, ep) position that should publish.
+
+    Data-parallel replicas beyond the expert-parallel dimension hold identical shards and would
+    reuse a mesh position; only expert-data-parallel rank 0 publishes.
+    """
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:
+        return True
+    if not ps.model_parallel_is_initialized():
+        return True
+    return ps.get_expert_data_parallel_rank() == 0
+
+
+def innermost_module(module: Any) -> Any:
+    """Strip DDP / Float16Module wrappers (each exposes the wrapped model as ``.module``)."""
+    import torch
+
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
+def unwrap_model(model: Any) -> list[Any]:
+    """Normalise a model / list of model chunks to a list (wrappers are kept: names carry them)."""
+    if isinstance(model, (list, tuple)):
+        return list(model)
+    return [model]
+
+
+@dataclass
+class BridgedModel:
+    """A Megatron-Core model built from an HF checkpoint, and the bridge that built it."""
+
+    bridge: Any  # megatron.bridge.AutoBridge
+    model: list[Any]  # model chunks (one per virtual pipeline stage)
+    hf_config: Any  # transformers.PretrainedConfig
+
+
+# Settings that make the bridge's providers build a model that runs (and converts) on CPU.
+_CPU_PROVIDER_SETTINGS: dict[str, Any] = {
+    "bf16": False,
+    "fp16": False,
+    "gradient_accumulation_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "persist_layer_norm": False,
+    "cross_entropy_loss_fusion": False,
+    "moe_grouped_gemm": False,
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
+    # "alltoall" creates torch.cuda.Stream(); "allgather" works everywhere.
+    "moe_token_dispatcher_type": "allgather",
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+
+
+def build_model_from_hf(
+    hf_dir: str | os.PathLike[str],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    layer_spec: str = "local",
+    pad_vocab: bool | None = None,
+) -> BridgedModel:
+    """Load an HF checkpoint into a Megatron-Core model on this rank through Megatron-Bridge.
+
+    ``torch.distributed`` and Megatron's parallel state must already be initialised with the same
+    ``tp``/``pp``/``ep`` (see ``init_distributed`` / ``init_model_parallel``): every rank of the
+    job calls this together. ``layer_spec="local"`` uses megatron-core's local (non-TE) modules;
+    ``"default"`` keeps the provider's own spec (TransformerEngine on GPU). ``pad_vocab``: pad the
+    vocabulary to a multiple of ``make_vocab_size_divisible_by * tp`` as Megatron-LM trainers do;
+    ``None`` pads only when the HF vocabulary does not divide by ``tp``.
+    """
+    import torch
+
+    from mx_refit.layout._bridge_import import import_bridge
+
+    bridge_mod = import_bridge()
+    dtype = dtype or torch.float32
+    bridge = bridge_mod.AutoBridge.from_hf_pretrained(os.fspath(hf_dir), torch_dtype=dtype)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    if layer_spec == "local":
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+
+        provider.transformer_layer_spec = local_layer_spec
+    elif layer_spec != "default":
+        raise ValueError(f"layer_spec: {layer_spec!r} is not one of 'local', 'default'")
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.expert_model_parallel_size = ep
+    if etp is not None:
+        provider.expert_tensor_parallel_size = etp
+    if pad_vocab is None:
+        pad_vocab = provider.vocab_size % tp != 0
+    provider.should_pad_vocab = pad_vocab
+    settings: dict[str, Any] = {"params_dtype": dtype, "pipeline_dtype": dtype}
+    if device != "cuda":
+        settings.update(_CPU_PROVIDER_SETTINGS)
+    for key, value in settings.items():
+        if hasattr(provider, key):
+            setattr(provider, key, value)
+    provider.finalize()
+    model = provider.provide_distributed_model(
+        wrap_with_ddp=False,
+        use_cpu_initialization=device != "cuda",
+        mixed_precision_wrapper=None,
+        fp16=False,
+        bf16=dtype == torch.bfloat16,
+    )
+    return BridgedModel(bridge=bridge, model=list(model), hf_config=bridge.hf_pretrained.config)
+
+
+def free_port() -> int:
+    """An unused localhost TCP port (for the gloo / NCCL rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised; the message carries its traceback."""
+
+
+def _rank_entry(fn: Any, rank: int, world_size: int, port: int, args: tuple[Any, ...], results: Any) -> None:
+    import pickle
+    import traceback
+
+    try:
+        # Plain pickle (bytes) instead of the queue's ForkingPickler: torch tensors would travel
+        # as shared-memory handles that die with this process.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, port, *args))))
+    except BaseException as exc:  # report everything, including SystemExit, to the parent
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def launch_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh (spawned) processes.
+
+    ``fn`` must be importable (module-level). Returns the per-rank return values (picklable) in
+    rank order; raises ``RankFailed`` with the first failing rank's traceback, or on timeout.
+    """
+    import multiprocessing as mp
+    import pickle
+    import queue
+    import time
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(out))} timed out "
+                                     f"after {timeout_s:.0f}s") from None
+                dead = [p for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    raise RankFailed(f"rank process exited with code {dead[0].exitcode} without a result")
+                continue
+            if not ok:
+                raise RankFailed(f"rank {rank} failed: {value}")
+            out[rank] = pickle.loads(value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [out[rank] for rank in range(world_size)]

@@ -1,0 +1,46 @@
+"""Shared fixtures of the layout tests: tiny HF checkpoints, the Bridge import, markers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parents[2]
+# Spawned rank processes inherit sys.path: make `tests.fixtures` and `mx_refit` importable there
+# whether pytest was started as `python -m pytest` (cwd on the path) or as `pytest`.
+for _path in (str(_REPO), str(_REPO / "core" / "src")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: long multi-process matrix cells; run with -m slow")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_hf(kind) -> Path``: build (once per session) a tiny seeded HF checkpoint."""
+    from tests.fixtures.tiny_hf import build_tiny_hf
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = build_tiny_hf(kind, root / kind)
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bridge():
+    """The ``megatron.bridge`` module (imported with the TE stub); skips when not installed."""
+    from mx_refit.layout._bridge_import import bridge_import_error, import_bridge
+
+    try:
+        return import_bridge()
+    except ImportError:
+        pytest.skip(f"megatron-bridge not importable: {bridge_import_error()}")
