@@ -1,0 +1,337 @@
+"""The worker side of the ``mx`` backend: vLLM 0.33's ``WeightTransferEngine`` on mx-refit.
+
+One update cycle, as vLLM's worker drives it::
+
+    init_weight_transfer_engine({catalog, model, ...})   # once: catalog reachable? layout known
+    start_weight_update()                                # opens a session; touches nothing
+    update_weights({"version": N} | [per-rank dicts])    # discover -> lease -> plan -> pull ALL
+                                                         # bytes -> release -> check names ->
+                                                         # layerwise reload -> load in batches
+    finish_weight_update()                               # finalize the layerwise reload
+
+Every byte of a version lands in the receiver's registered arena (reused across cycles) before
+the first ``load_weights`` call, and layerwise reload starts only then. So any failure up to that
+point (catalog unreachable, version not READY, coverage gap, NIXL error, tensors the model does
+not have) leaves the model's weights untouched and the session reset; vLLM's worker also resets
+its own session flag when ``update_weights`` raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from mx_refit.errors import MxRefitError, NotFound, Unavailable
+from mx_refit.types import RefitStats, TargetLayout
+from mx_refit_vllm.infos import MxInitInfo, MxUpdateInfo
+from mx_refit_vllm.layout import check_names, target_layout, worker_coordinates
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from mx_refit.catalog.client import CatalogClient
+    from mx_refit.plugins import Hooks
+    from mx_refit.receiver import Receiver
+    from mx_refit.transport.nixl import NixlTransport
+
+__all__ = ["MxWeightTransferEngine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Session:
+    """One start -> update* -> finish session."""
+
+    started: float = field(default_factory=time.monotonic)
+    layerwise: bool = False  # initialize_layerwise_reload ran on the target model
+    loaded: list[RefitStats] = field(default_factory=list)
+
+
+def _accelerator_present() -> bool:
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None and hasattr(accel, "is_available"):
+        return bool(accel.is_available())
+    return torch.cuda.is_available()
+
+
+def _batches(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if batch and size + nbytes > max_bytes:
+            out.append(batch)
+            batch, size = [], 0
+        batch.append((name, tensor))
+        size += nbytes
+    if batch:
+        out.append(batch)
+    return out
+
+
+class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
+    """vLLM ``WeightTransferEngine`` backend ``"mx"``: pulls published versions over NIXL.
+
+    Created by vLLM (``WeightTransferEngineFactory.create_engine``) after the model loads, one
+    per worker. Holds one NIXL agent and one receive arena per catalog model for its lifetime, so
+    cycle 2 onward registers no new memory.
+    """
+
+    init_info_cls = MxInitInfo
+    update_info_cls = MxUpdateInfo
+
+    def __init__(
+        self,
+        config: "WeightTransferConfig",
+        vllm_config: "VllmConfig",
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.init_info: MxInitInfo | None = None
+        self.layout: TargetLayout | None = None
+        self._client: CatalogClient | None = None
+        self._transport: NixlTransport | None = None
+        self._hooks: Hooks | None = None
+        self._receivers: dict[str, Receiver] = {}
+        self._session: _Session | None = None
+        self._coords: dict[str, int] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: MxInitInfo) -> None:
+        """Connect to the catalog and fix this worker's target layout.
+
+        Re-initialising (a new trainer, another catalog) drops the previous connection first.
+        :raises Unavailable: the catalog cannot be reached at ``init_info.catalog``.
+        :raises Unauthenticated: the catalog refused ``init_info.token``.
+        """
+        if self._session is not None:
+            raise RuntimeError("init_transfer_engine called during a weight update; finish it first")
+        from mx_refit.catalog.client import CatalogClient
+
+        self.shutdown()
+        self._coords = worker_coordinates(self.parallel_config)
+        self.layout = target_layout(self.parallel_config)
+        client = CatalogClient(init_info.catalog, token=init_info.token)
+        try:
+            # A cheap, read-only call proves reachability and the token now, not mid-update.
+            client.list_versions(init_info.model)
+        except NotFound:
+            pass  # reachable; nothing published under this name yet
+        except Unavailable as exc:
+            client.close()
+            raise Unavailable(f"mx: catalog unreachable at {init_info.catalog}: {exc}") from exc
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
+        self.init_info = init_info
+        log.info(
+            "mx engine ready: catalog %s, model %r, layout tp %d/%d ep %d/%d",
+            init_info.catalog, init_info.model, self.layout.tp_rank, self.layout.tp_size,
+            self.layout.ep_rank, self.layout.ep_size,
+        )
+
+    def start_weight_update(self) -> None:
+        """Open a session. The model is not touched until every byte of a version has arrived."""
+        self._require_init()
+        if self._session is not None:
+            raise RuntimeError("mx: start_weight_update called while a weight update is active")
+        self._session = _Session()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Parse, receive and load one update.
+
+        Accepts vLLM's per-rank list form too (indexed ``data_parallel_index * world_size +
+        rank``, as vLLM's worker does) for callers that drive the engine directly. Synchronises
+        the accelerator only when one is present, so CPU workers never fail here.
+        """
+        if isinstance(update_info, list):
+            update_info = self._pick_rank_entry(update_info)
+        if not isinstance(update_info, dict):
+            raise ValueError(f"mx: update_info must be a dict or a list of dicts, got {type(update_info).__name__}")
+        try:
+            typed = self.parse_update_info(update_info)
+        except ValueError:
+            self._abort_session()
+            raise
+        self.receive_weights(typed)
+        if _accelerator_present():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: MxUpdateInfo) -> None:
+        """Pull one published version in full, then load it into the model in bounded batches.
+
+        :raises Unavailable: catalog unreachable (names the address).
+        :raises NotFound / FailedPrecondition: no such version, or not READY (names its state).
+        :raises CoverageError / TransferError: the plan or the NIXL reads failed.
+        :raises InvalidArgument: the version has tensors the model does not have.
+        Any of these leaves the weights untouched and the session reset.
+        """
+        init = self._require_init()
+        session = self._session
+        if session is None:
+            raise RuntimeError("mx: start_weight_update must be called before update_weights")
+        model_name = update_info.model or init.model
+        wait_s = init.ready_timeout_s if update_info.wait_s is None else update_info.wait_s
+        what = (
+            f"version {update_info.version} of {model_name!r}" if update_info.version is not None
+            else f"newest READY version >= {update_info.min_version} of {model_name!r}"
+        )
+        try:
+            receiver = self._receiver(model_name)
+            result = receiver.refit(update_info.version, min_version=update_info.min_version, wait_s=wait_s)
+            what = f"version {result.version.version} of {model_name!r}"
+            if init.strict_names:
+                check_names(self.model, result.tensors, tp_size=self.layout.tp_size if self.layout else 1, what=what)
+        except Unavailable as exc:
+            self._abort_session()
+            raise Unavailable(f"mx: catalog unreachable at {init.catalog} while fetching {what}: {exc}") from exc
+        except BaseException as exc:
+            self._abort_session()
+            if isinstance(exc, MxRefitError):
+                log.warning("mx: %s not loaded, weights untouched: %s", what, exc)
+            raise
+        self._load(session, result.tensors, what)
+        session.loaded.append(result.stats)
+
+    def finish_weight_update(self) -> None:
+        """Finalize layerwise reload (process + copy into the kernel tensors) and close the session."""
+        session = self._session
+        if session is None:
+            raise RuntimeError("mx: finish_weight_update called without a matching start_weight_update")
+        self._session = None
+        if session.layerwise:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+        for stats in session.loaded:
+            log.info(
+                "mx: loaded %s v%d: %d tensors, %.1f MB pulled in %.3fs (%.2f GB/s), %d new registrations",
+                stats.model, stats.version, stats.tensors, stats.bytes_pulled / 1e6, stats.seconds,
+                stats.gbps, stats.new_registrations,
+            )
+
+    def shutdown(self) -> None:
+        """Drop the catalog connection, receive arenas and the NIXL agent (inference goes on)."""
+        if self._session is not None:
+            self._abort_session()
+        receivers, self._receivers = self._receivers, {}
+        for receiver in receivers.values():
+            receiver.close()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self.init_info = None
+
+    # -- internals --------------------------------------------------------------------------
+    @property
+    def last_stats(self) -> list[RefitStats]:
+        """Stats of the versions loaded in the active session (empty outside one)."""
+        return list(self._session.loaded) if self._session else []
+
+    @property
+    def receivers(self) -> dict[str, "Receiver"]:
+        """One receiver (and receive arena) per catalog model this engine has loaded."""
+        return dict(self._receivers)
+
+    def _require_init(self) -> MxInitInfo:
+        if self.init_info is None or self._client is None:
+            raise RuntimeError("mx weight transfer not initialised: call init_weight_transfer_engine first")
+        return self.init_info
+
+    def _pick_rank_entry(self, entries: list[Any]) -> Any:
+        world = int(getattr(self.parallel_config, "world_size", 1) or 1)
+        c = self._coords or worker_coordinates(self.parallel_config)
+        rank = c["pp_rank"] * c["tp_size"] + c["tp_rank"]
+        index = c["dp_index"] * world + rank
+        if not 0 <= index < len(entries):
+            raise ValueError(f"mx: update_info list has {len(entries)} entries; this worker needs index {index}")
+        return entries[index]
+
+    def _receiver(self, model_name: str) -> "Receiver":
+        receiver = self._receivers.get(model_name)
+        if receiver is not None:
+            return receiver
+        from mx_refit.plugins import Hooks
+        from mx_refit.receiver import Receiver
+        from mx_refit.transport.nixl import NixlTransport
+
+        init = self._require_init()
+        c = self._coords
+        tag = f"dp{c.get('dp_index', 0)}-pp{c.get('pp_rank', 0)}-tp{c.get('tp_rank', 0)}"
+        if self._transport is None:
+            # One NIXL agent per worker process, shared by every model it receives.
+            self._transport = NixlTransport(f"mx-vllm-{socket.gethostname()}-{os.getpid()}-{tag}")
+        if self._hooks is None:
+            self._hooks = Hooks()
+        receiver = Receiver(
+            self._client,  # type: ignore[arg-type]
+            model_name,
+            target=self.layout,
+            device=init.arena_device or str(self.device),
+            reader_id=f"vllm:{socket.gethostname()}:{os.getpid()}:{tag}",
+            transport=self._transport,
+            hooks=self._hooks,
+            lease_ttl_s=init.lease_ttl_s,
+            transfer_timeout_s=init.transfer_timeout_s,
+            load_batch_bytes=init.load_batch_bytes,
+        )
+        self._receivers[model_name] = receiver
+        return receiver
+
+    def _supports_layerwise(self) -> bool:
+        # Models built by vLLM's loader had their layout recorded (record_metadata_for_reloading);
+        # reloading anything else would restore parameters from empty metadata.
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        except ImportError:  # pragma: no cover - vLLM without layerwise reload
+            return False
+        info = LAYERWISE_INFO.get(self.model)
+        return info is not None and bool(info.restore_metadata[0] or info.restore_metadata[1])
+
+    def _load(self, session: _Session, tensors: list[tuple[str, torch.Tensor]], what: str) -> None:
+        """Hand ``tensors`` to ``model.load_weights`` in bounded batches (under layerwise reload)."""
+        assert self.init_info is not None and self._hooks is not None
+        if not session.layerwise and self._supports_layerwise():
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            session.layerwise = True
+        done = 0
+        try:
+            for batch in _batches(tensors, self.init_info.load_batch_bytes):
+                # Through the hook so mx-refit wrappers (timing, tracing) see every batch.
+                self._hooks.load_weights(self.model, batch)
+                done += len(batch)
+        except BaseException as exc:
+            self._abort_session()
+            raise RuntimeError(
+                f"mx: loading {what} failed after {done} of {len(tensors)} tensors (every byte had "
+                f"arrived; the model rejected a tensor). Layers that received nothing keep their "
+                f"previous weights, layers loaded in part were processed with what arrived: {exc}"
+            ) from exc
+
+    def _abort_session(self) -> None:
+        """Reset the session; if layerwise reload had started, put unloaded layers back."""
+        session, self._session = self._session, None
+        if session is not None and session.layerwise:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception:  # already failing; keep the original error
+                log.exception("mx: restoring layers after a failed load raised")

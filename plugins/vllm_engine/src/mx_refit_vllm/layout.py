@@ -1,0 +1,183 @@
+"""What a vLLM worker needs: its target layout, and which received tensors its model accepts.
+
+vLLM 0.33's weight loaders take *full* HF tensors and narrow them to the rank's slice themselves
+(``parameter.py``: ``load_column_parallel_weight`` & co. narrow at ``tp_rank * shard_size``
+unconditionally), so a worker asks for whole HF tensors (``TargetLayout.full_tensors=True``) and
+tells the planner its TP/EP coordinates. Expert parallelism is announced only when vLLM places
+experts linearly without EPLB redundancy, the one placement a planner can predict; otherwise
+every expert is pulled and vLLM's MoE loader keeps its own.
+
+:func:`check_names` runs before any weight is touched: vLLM's ``load_weights`` raises (KeyError,
+shape asserts) in the middle of a load when handed a tensor the model does not have, which
+would leave a half-loaded model. Checking first turns that into a clean refusal.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from mx_refit.errors import InvalidArgument
+from mx_refit.types import TargetLayout
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["NameCheck", "check_names", "target_layout", "worker_coordinates"]
+
+log = logging.getLogger(__name__)
+
+# HF tensors that vLLM models drop on purpose (recomputed or unused at inference).
+_IGNORED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.")
+
+
+def worker_coordinates(parallel_config: Any) -> dict[str, int]:
+    """This worker's TP/PP/DP/EP coordinates, read from vLLM's initialised process groups.
+
+    Falls back to the parallel config (single rank per axis) when the groups are not initialised,
+    which is only legitimate for a TP=PP=1 worker.
+    """
+    tp_size = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    pp_size = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    coords = {
+        "tp_rank": 0, "tp_size": tp_size, "pp_rank": 0, "pp_size": pp_size,
+        "dp_index": int(getattr(parallel_config, "data_parallel_index", 0) or 0),
+        "ep_rank": 0, "ep_size": 1,
+    }
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        if tp_size * pp_size > 1:
+            raise RuntimeError(
+                f"vLLM's model-parallel groups are not initialised, but the parallel config says "
+                f"TP={tp_size} x PP={pp_size}; the mx engine must be created inside a vLLM worker"
+            )
+        return coords
+    tp = ps.get_tp_group()
+    pp = ps.get_pp_group()
+    coords.update(tp_rank=tp.rank_in_group, tp_size=tp.world_size, pp_rank=pp.rank_in_group, pp_size=pp.world_size)
+    if (
+        getattr(parallel_config, "enable_expert_parallel", False)
+        and not getattr(parallel_config, "enable_eplb", False)
+        and getattr(parallel_config, "expert_placement_strategy", "linear") == "linear"
+        and getattr(ps, "_EP", None) is not None
+    ):
+        ep = ps.get_ep_group()
+        coords.update(ep_rank=ep.rank_in_group, ep_size=ep.world_size)
+    return coords
+
+
+def target_layout(parallel_config: Any) -> TargetLayout:
+    """The :class:`~mx_refit.types.TargetLayout` of this vLLM worker (full HF tensors)."""
+    c = worker_coordinates(parallel_config)
+    return TargetLayout(
+        tp_rank=c["tp_rank"], tp_size=c["tp_size"], ep_rank=c["ep_rank"], ep_size=c["ep_size"], full_tensors=True
+    )
+
+
+class NameCheck:
+    """Resolves HF tensor names against a vLLM model the way its ``load_weights`` will.
+
+    A name is accepted when, after the model's ``hf_to_vllm_mapper`` (if any), it names a
+    parameter or buffer directly, through the model's ``packed_modules_mapping`` (``q_proj`` ->
+    ``qkv_proj``, ``gate_proj`` -> ``gate_up_proj``), as an expert of a fused-MoE module, as a
+    tied ``lm_head``, or as a layer this pipeline stage does not hold. Shapes are checked where
+    the mapping is one to one: every dimension must match the local parameter except the one
+    vLLM shards, which may be up to ``tp_size`` times larger (vocab padding makes it smaller).
+    """
+
+    def __init__(self, model: "torch.nn.Module", tp_size: int = 1) -> None:
+        self.model = model
+        self.tp_size = tp_size
+        self.tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self.tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+        self.modules = dict(model.named_modules(remove_duplicate=False))
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        self.packed: list[tuple[str, str]] = [
+            (sub, fused) for fused, subs in packed.items() for sub in subs if sub != fused
+        ]
+        self.mapper = getattr(model, "hf_to_vllm_mapper", None)
+        config = getattr(getattr(model, "config", None), "tie_word_embeddings", None)
+        self.tied = bool(config)
+
+    def _mapped(self, name: str) -> str | None:
+        if self.mapper is None:
+            return name
+        map_name = getattr(self.mapper, "map_name", None) or getattr(self.mapper, "_map_name", None)
+        return map_name(name) if map_name is not None else name
+
+    def _pp_missing(self, name: str) -> bool:
+        try:
+            from vllm.model_executor.models.utils import is_pp_missing_parameter
+        except ImportError:  # pragma: no cover - vLLM without the helper
+            return False
+        try:
+            return bool(is_pp_missing_parameter(name, self.model))
+        except Exception:  # a model that does not follow vLLM's PP conventions
+            return False
+
+    def problem(self, name: str, shape: Sequence[int]) -> str | None:
+        """``None`` if the model accepts ``name`` with ``shape``, else why not."""
+        mapped = self._mapped(name)
+        if mapped is None or _IGNORED.search(name):
+            return None  # the model's mapper drops it on purpose
+        if mapped in self.tensors:
+            return self._shape_problem(mapped, shape, packed=False)
+        for sub, fused in self.packed:
+            token = f".{sub}."
+            if token in f".{mapped}":
+                candidate = f".{mapped}".replace(token, f".{fused}.", 1)[1:]
+                if candidate in self.tensors:
+                    return self._shape_problem(candidate, shape, packed=True)
+        expert = _EXPERT.match(mapped)
+        if expert and expert["prefix"] in self.modules:
+            module = self.modules[expert["prefix"]]
+            total = getattr(module, "global_num_experts", None) or getattr(module, "num_experts", None)
+            if total is not None and int(expert["index"]) >= int(total):
+                return f"expert {expert['index']} >= the model's {total} experts"
+            return None
+        if self.tied and mapped.startswith("lm_head."):
+            return None
+        if self._pp_missing(mapped):
+            return None
+        return "the model has no such parameter or buffer"
+
+    def _shape_problem(self, target: str, shape: Sequence[int], *, packed: bool) -> str | None:
+        param = self.tensors[target]
+        if param.is_meta or not param.is_floating_point():
+            return None  # quantized / placeholder storage: the loader knows its own layout
+        got = tuple(int(d) for d in shape)
+        have = tuple(int(d) for d in param.shape)
+        if len(got) != len(have):
+            return f"shape {got} does not fit {target} {have}"
+        sharded = {getattr(param, "output_dim", None), getattr(param, "input_dim", None)} - {None}
+        for dim, (g, h) in enumerate(zip(got, have)):
+            if dim in sharded:
+                if packed and dim == getattr(param, "output_dim", None):
+                    continue  # one of several stacked shards: only its own extent is known
+                if not 0 < g <= h * self.tp_size:
+                    return f"shape {got} does not fit {target} {have} (dim {dim}, TP={self.tp_size})"
+            elif g != h:
+                return f"shape {got} does not fit {target} {have} (dim {dim})"
+        return None
+
+
+def check_names(
+    model: "torch.nn.Module", tensors: Iterable[tuple[str, "torch.Tensor"]], *, tp_size: int, what: str
+) -> None:
+    """Raise :class:`InvalidArgument` listing every tensor ``model`` would not accept."""
+    check = NameCheck(model, tp_size)
+    problems = []
+    for name, tensor in tensors:
+        why = check.problem(name, tuple(tensor.shape))
+        if why is not None:
+            problems.append(f"{name}: {why}")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise InvalidArgument(
+            f"{what} carries {len(problems)} tensor(s) that {type(model).__name__} does not have "
+            f"(wrong model name?): {shown}"
+        )
