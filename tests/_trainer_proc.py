@@ -37,7 +37,7 @@ def run(address: str, model: str, rank: int, ranks: int, conn) -> None:
 
     try:
         pub = Publisher(address, model, mesh=MeshPosition(tp_rank=rank, tp_size=ranks), expected_sources=ranks,
-                        ttl_s=3.0)
+                        ttl_s=30.0)
         live = None
         conn.send(("ready", os.getpid()))
         while True:

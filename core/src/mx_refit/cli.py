@@ -24,10 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50551, help="port (default 50551; 0 picks one)")
     serve.add_argument("--token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
 
-    verify = sub.add_parser("verify", help="publish an HF checkpoint from Megatron ranks and verify receivers")
-    from mx_refit.layout.verify import add_verify_arguments
-
-    add_verify_arguments(verify)
+    # verify owns its arguments (a stable public contract kept in mx_refit.layout.verify)
+    verify = sub.add_parser(
+        "verify", add_help=False, help="publish an HF checkpoint from Megatron ranks and verify receivers"
+    )
+    verify.add_argument("verify_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         from mx_refit.layout.verify import verify_main
 
-        return verify_main(args)
+        return verify_main(args.verify_args)
     raise AssertionError(args.command)
 
 

@@ -72,6 +72,8 @@ def fill_pattern(tensor: Any, name: str, cycle: int) -> None:
 
 
 def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, results: Any) -> None:
+    import math
+
     import torch
 
     from mx_refit.publisher import Publisher
@@ -80,9 +82,17 @@ def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, re
     try:
         dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu")
         owned = _owner_split(synthetic_llama(), ranks)[rank]
-        tensors = {name: torch.empty(shape, dtype=torch.bfloat16, device=dev) for name, shape in owned}
+        # One flat buffer with a view per parameter, as Megatron's DDP keeps them: one region to
+        # register, and neighbouring tensors coalesce into one NIXL descriptor.
+        flat = torch.empty(sum(math.prod(shape) for _, shape in owned), dtype=torch.bfloat16, device=dev)
+        tensors, offset = {}, 0
+        for name, shape in owned:
+            tensors[name] = flat[offset : offset + math.prod(shape)].view(shape)
+            offset += math.prod(shape)
         publisher = Publisher(
-            address, MODEL_NAME, mesh=MeshPosition(), expected_sources=ranks, source_id=f"{MODEL_NAME}/trainer{rank}"
+            # Each trainer owns a disjoint half of the tensors, like a pipeline stage.
+            address, MODEL_NAME, mesh=MeshPosition(pp_rank=rank, pp_size=ranks), expected_sources=ranks,
+            source_id=f"{MODEL_NAME}/trainer{rank}",
         )
         results.put(("ready", rank, None))
         while True:

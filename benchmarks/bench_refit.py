@@ -1,0 +1,286 @@
+"""Refit bandwidth: one source process publishes, one receiver process pulls, through the real
+catalog and NIXL; baselines (torch device-to-device copy, NCCL/gloo broadcast) on the same bytes
+in the same run.
+
+    python benchmarks/bench_refit.py --device cuda --out results.json     # GPU0 -> GPU1
+    python benchmarks/bench_refit.py --device cpu --scale 0.125            # DRAM, smaller
+
+Cases (sizes times --scale):
+  large: 8 GiB in tensors of 64-512 MiB
+  small: 10,000 tensors of 256 KiB
+Source tensors are views into one buffer, as Megatron's DDP keeps parameters in contiguous
+buffers; the receiver pulls into its registered arena.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import time
+
+MIB = 1 << 20
+
+
+def case_sizes(case: str, scale: float) -> list[int]:
+    if case == "large":
+        sizes = [64, 128, 256, 512] * 8 + [512]  # 8 GiB
+        return [max(1, int(s * scale)) * MIB for s in sizes]
+    if case == "small":
+        return [256 * 1024] * max(1, int(10_000 * scale))
+    raise ValueError(case)
+
+
+def _device(kind: str, index: int) -> str:
+    return f"cuda:{index}" if kind == "cuda" else "cpu"
+
+
+def _fill(buf, version: int) -> None:
+    import torch
+
+    words = buf.view(torch.int32)
+    torch.arange(words.numel(), dtype=torch.int32, device=buf.device, out=words)
+    words.add_(version * 7919)
+
+
+def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_q) -> None:
+    import torch
+
+    from mx_refit.publisher import Publisher
+    from mx_refit.types import PublishedTensor
+
+    try:
+        dev = _device(device, 0)
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        publishers, tensors, buffers = {}, {}, {}
+        for case, sizes in cases.items():
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+            views, off = [], 0
+            for i, size in enumerate(sizes):
+                views.append(PublishedTensor(f"layers.{i}.weight", buf[off : off + size]))
+                off += size
+            buffers[case], tensors[case] = buf, views
+            publishers[case] = Publisher(address, f"bench-{case}", source_id=f"bench-{case}/src")
+        res_q.put(("ready", None))
+        while True:
+            cmd, case, version = cmd_q.get()
+            if cmd == "stop":
+                break
+            pub = publishers[case]
+            if version > 1:
+                pub.wait_drained(version - 1)
+            _fill(buffers[case], version)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            pub.publish(version, tensors[case])
+            res_q.put(("published", {"publish_s": time.perf_counter() - t,
+                                     "registrations": pub.transport.registrations}))
+        for pub in publishers.values():
+            pub.close()
+    except BaseException as exc:
+        import traceback
+
+        res_q.put(("error", traceback.format_exc()))
+        raise SystemExit(1) from exc
+
+
+def receiver_proc(address: str, device: str, cmd_q, res_q) -> None:
+    import torch
+
+    from mx_refit.receiver import Receiver
+
+    try:
+        index = 1 if device == "cuda" and torch.cuda.device_count() > 1 else 0
+        dev = _device(device, index)
+        if device == "cuda":
+            torch.cuda.set_device(index)
+        receivers = {}
+        res_q.put(("ready", None))
+        while True:
+            cmd, case, version = cmd_q.get()
+            if cmd == "stop":
+                break
+            rec = receivers.get(case) or receivers.setdefault(case, Receiver(address, f"bench-{case}", device=dev))
+            result = rec.refit(version, wait_s=30)
+            # Byte check of everything received (on the device: cheap).
+            total = sum(t.numel() for _, t in result.tensors)
+            expected = torch.empty(total, dtype=torch.uint8, device=dev)
+            _fill(expected, version)
+            got = torch.cat([t.view(-1) for _, t in result.tensors]) if len(result.tensors) > 1 else result.tensors[0][1]
+            s = result.stats
+            res_q.put(("pulled", {"seconds": s.seconds, "gbps": s.gbps, "bytes": s.bytes_pulled,
+                                  "descriptors": s.descriptors, "new_registrations": s.new_registrations,
+                                  "tensors": s.tensors, "identical": bool(torch.equal(got, expected))}))
+        for rec in receivers.values():
+            rec.close()
+    except BaseException as exc:
+        import traceback
+
+        res_q.put(("error", traceback.format_exc()))
+        raise SystemExit(1) from exc
+
+
+def _get(q, kind):
+    got, payload = q.get(timeout=900)
+    if got == "error":
+        raise RuntimeError(payload)
+    assert got == kind, (got, kind)
+    return payload
+
+
+def torch_copy_baseline(device: str, sizes: list[int], repeats: int = 5) -> dict:
+    """Device-to-device copy of the same bytes: one flat copy and one copy per tensor."""
+    import torch
+
+    n = torch.cuda.device_count() if device == "cuda" else 1
+    src = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(device, 0))
+    dst = torch.empty(sum(sizes), dtype=torch.uint8, device=_device(device, n - 1))
+    srcs, dsts, off = [], [], 0
+    for size in sizes:
+        srcs.append(src[off : off + size])
+        dsts.append(dst[off : off + size])
+        off += size
+
+    def sync():
+        if device == "cuda":
+            for i in range(n):
+                torch.cuda.synchronize(i)
+
+    def timed(fn):
+        fn(); sync()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter(); fn(); sync()
+            best = min(best, time.perf_counter() - t)
+        return src.numel() / best / 1e9
+
+    flat = timed(lambda: dst.copy_(src))
+    per_tensor = timed(lambda: [d.copy_(s) for d, s in zip(dsts, srcs)])
+    return {"torch_copy_flat_gbps": flat, "torch_copy_per_tensor_gbps": per_tensor}
+
+
+def _broadcast_worker(rank: int, device: str, sizes: list[int], port: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    dev = _device(device, rank)
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+    views, off = [], 0
+    for size in sizes:
+        views.append(buf[off : off + size])
+        off += size
+
+    def timed(fn, repeats=5):
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter(); fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            best = min(best, time.perf_counter() - t)
+        return buf.numel() / best / 1e9
+
+    flat = timed(lambda: dist.broadcast(buf, 0))
+    per_tensor = timed(lambda: [dist.broadcast(v, 0) for v in views], repeats=3)
+    if rank == 1:
+        q.put({f"{backend}_broadcast_flat_gbps": flat, f"{backend}_broadcast_per_tensor_gbps": per_tensor})
+    dist.destroy_process_group()
+
+
+def broadcast_baseline(device: str, sizes: list[int]) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_broadcast_worker, args=(r, device, sizes, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = q.get(timeout=900)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--cases", default="large,small")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every case's size")
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the results JSON here too")
+    args = parser.parse_args()
+
+    import torch
+
+    from mx_refit.catalog.server import start_embedded
+
+    cases = {c: case_sizes(c, args.scale) for c in args.cases.split(",")}
+    machine = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    if args.device == "cuda":
+        machine["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    results = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": machine, "cases": {}}
+
+    server = start_embedded()
+    ctx = mp.get_context("spawn")
+    src_q, rec_q, res_src, res_rec = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [
+        ctx.Process(target=source_proc, args=(server.address, args.device, cases, args.cycles, src_q, res_src)),
+        ctx.Process(target=receiver_proc, args=(server.address, args.device, rec_q, res_rec)),
+    ]
+    for p in procs:
+        p.start()
+    _get(res_src, "ready"); _get(res_rec, "ready")
+    try:
+        for case, sizes in cases.items():
+            cycles = []
+            for version in range(1, args.cycles + 1):
+                src_q.put(("publish", case, version))
+                published = _get(res_src, "published")
+                rec_q.put(("pull", case, version))
+                pulled = _get(res_rec, "pulled")
+                cycles.append({**pulled, **published})
+                print(f"{case} cycle {version}: {pulled['bytes'] / 2**30:.2f} GiB in {pulled['seconds'] * 1e3:.1f} ms "
+                      f"= {pulled['gbps']:.1f} GB/s, {pulled['descriptors']} descriptors, "
+                      f"new registrations {pulled['new_registrations']}, identical={pulled['identical']}", flush=True)
+            results["cases"][case] = {"tensors": len(sizes), "bytes": sum(sizes), "cycles": cycles}
+    finally:
+        src_q.put(("stop", None, 0)); rec_q.put(("stop", None, 0))
+        for p in procs:
+            p.join(120)
+        server.stop(0)
+
+    for case, sizes in cases.items():
+        entry = results["cases"][case]
+        entry.update(torch_copy_baseline(args.device, sizes))
+        entry.update(broadcast_baseline(args.device, sizes))
+        steady = max(c["gbps"] for c in entry["cycles"][1:]) if len(entry["cycles"]) > 1 else entry["cycles"][0]["gbps"]
+        entry["mx_steady_gbps"] = steady
+        bcast = "nccl" if args.device == "cuda" else "gloo"
+        entry["ratio_vs_torch_copy_flat"] = steady / entry["torch_copy_flat_gbps"]
+        entry["ratio_vs_broadcast_flat"] = steady / entry[f"{bcast}_broadcast_flat_gbps"]
+        print(json.dumps({case: {k: v for k, v in entry.items() if k != "cycles"}}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    ok = all(c["identical"] for e in results["cases"].values() for c in e["cycles"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
