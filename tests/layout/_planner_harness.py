@@ -216,11 +216,12 @@ def _stage_of(param: MegatronParam, spec: ModelSpec, pp: int) -> int:
 
 
 def publish(spec: ModelSpec, layout: SourceLayout, *, seed: int = 0, drop: set[str] = frozenset(),
-            drop_sources: set[str] = frozenset()) -> Published:
+            drop_sources: set[str] = frozenset(), gaps: bool = True) -> Published:
     """Cut native shards per source rank and lay them out in fake per-source memory.
 
     ``drop`` removes descriptors by Megatron name (every source); ``drop_sources`` removes whole
-    sources (their descriptors AND their sidecar name-map entries).
+    sources (their descriptors AND their sidecar name-map entries). ``gaps=False`` packs a
+    source's tensors back to back (like Megatron's contiguous DDP parameter buffer).
     """
     hf = hf_reference(spec, seed)
     params = megatron_params(spec, hf, layout)
@@ -242,7 +243,8 @@ def publish(spec: ModelSpec, layout: SourceLayout, *, seed: int = 0, drop: set[s
                     rank = tp % prm.tp if prm.expert is not None else tp
                     local, axis, off, extras = _shard(prm, rank, layout)
                     raw = local.contiguous().view(-1).view(torch.uint8)
-                    offset += 64 + (len(descs) % 3) * 32  # gaps between tensors, like a real allocator
+                    if gaps:
+                        offset += 64 + (len(descs) % 3) * 32  # gaps between tensors, like an allocator
                     if sid not in drop_sources:
                         hf_map_all[prm.name] = {"hf": prm.hf, "mapping": prm.mapping}
                     if prm.name in drop:

@@ -119,19 +119,34 @@ def test_narrower_target_places_row_parallel_with_one_copy() -> None:
 def test_replicated_tensors_are_read_once_and_spread() -> None:
     spec, layout = SPECS["moe4"], SourceLayout(tp=4, ep=2)
     published = publish(spec, layout)
-    plan = plan_receive(published.version, TargetLayout())
+    plan = plan_receive(published.version, TargetLayout(), sticky_bytes=0)  # balance every tensor
     by_source: dict[str, int] = {}
     for op in plan.reads:
         by_source[op.source_id] = by_source.get(op.source_id, 0) + op.nbytes
     assert len(by_source) == 8  # every replica carries part of the load
     assert max(by_source.values()) < 2 * min(by_source.values())
+    check(plan, published, spec, TargetLayout())
     # Different receivers start on different replicas of the same replicated tensor.
     norm_sources = set()
     for t in range(4):
         p = plan_receive(published.version, TargetLayout(tp_rank=t, tp_size=4, full_tensors=False))
         spec_ = next(s for s in p.tensor_specs() if s.name == "model.norm.weight")
-        norm_sources.add(next(op.source_id for op in p.reads if op.local_offset == spec_.offset))
+        norm_sources.add(next(op.source_id for op in p.reads if op.local_offset <= spec_.offset < op.local_offset + op.nbytes))
     assert len(norm_sources) > 1
+
+
+def test_sticky_replicas_coalesce_reads() -> None:
+    """Replicas are read in long same-source runs and the arena follows source address order, so
+    neighbouring tensors of one source (packed back to back here, like a DDP parameter buffer)
+    merge into one read."""
+    spec, layout = SPECS["moe8_sequential"], SourceLayout(tp=2, ep=2)
+    published = publish(spec, layout, gaps=False)
+    balanced = plan_receive(published.version, TargetLayout(), sticky_bytes=0)
+    sticky = plan_receive(published.version, TargetLayout())
+    assert 3 * len(sticky.reads) < 2 * len(balanced.reads)
+    check(sticky, published, spec, TargetLayout())
+    pieces = sum(len(tpl.pieces) for _, tpl, _, _ in sticky._entries)
+    assert 2 * len(sticky.reads) < pieces
 
 
 def test_plan_is_deterministic() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mx_refit.errors import CoverageError, InvalidArgument
@@ -55,11 +56,13 @@ __all__ = [
 
 CONFIG_KEY = "megatron.config"
 HF_MAP_KEY = "megatron.hf_map"
-REGION_ALIGN = 256  # arena alignment of each Megatron tensor's region
+REGION_ALIGN = 16  # region alignment: dtype-safe views; small enough that packed sources stay adjacent
+STICKY_BYTES = 64 << 20  # replica stickiness: long same-source runs coalesce into few descriptors
 
 _EXPERT_ROLES = (Role.EXPERT_COLUMN, Role.EXPERT_ROW)
 _VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
 _IDENTITY, _QKV, _GATED = 1, 3, 2  # transform kinds = number of HF outputs
+_NAME = attrgetter("name")
 _EXPECTED_OUTPUTS = {Role.QKV_COLUMN: _QKV, Role.GATED_MLP_COLUMN: _GATED, Role.EXPERT_COLUMN: _GATED}
 
 
@@ -110,11 +113,8 @@ class TensorSpec(NamedTuple):
     copies: int  # staged blocks placed with a local strided copy (0: a pure view)
 
 
-class _Entry(NamedTuple):
-    base: int
-    template: Template
-    names: tuple[str, ...]
-    dtype: str
+# One Megatron tensor in the plan: arena base of its region, template, HF names, dtype.
+_Entry = tuple[int, Template, list[str], str]
 
 
 @dataclass
@@ -140,9 +140,10 @@ class MegatronReceivePlan:
 
     def tensor_specs(self) -> Iterator[TensorSpec]:
         """Every output's arena placement, without touching memory (bookkeeping, verify)."""
+        make = TensorSpec._make
         for base, tpl, names, dtype in self._entries:
             for name, out in zip(names, tpl.outs):
-                yield TensorSpec(name, base + out.rel, out.nbytes, out.shape, dtype, len(out.copies))
+                yield make((name, base + out.rel, out.nbytes, out.shape, dtype, len(out.copies)))
 
     def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
         """Yield ``(hf_name, tensor)`` for every planned tensor once the reads have landed.
@@ -182,22 +183,41 @@ class MegatronReceivePlan:
 
 
 def plan_receive(
-    version: VersionInfo, target: TargetLayout, *, row_slice_options: dict[str, Any] | None = None
+    version: VersionInfo,
+    target: TargetLayout,
+    *,
+    row_slice_options: dict[str, Any] | None = None,
+    sticky_bytes: int = STICKY_BYTES,
 ) -> MegatronReceivePlan:
     """Plan every byte ``target`` needs from ``version``'s Megatron shards.
 
     :param row_slice_options: keyword arguments for
         :func:`mx_refit.transport.ranges.plan_row_slice` (cost constants, ``force``) used for
         row-parallel column sub-blocks (target TP wider than source TP).
+    :param sticky_bytes: a shard with replicas keeps being read from the replica used last until
+        that replica is this many bytes ahead of the least-loaded one (long same-source runs
+        coalesce into few descriptors; 0 balances every tensor).
     :raises CoverageError: some needed range is published by no source (lists all of them).
     :raises InvalidArgument: a malformed sidecar, an inconsistent descriptor or an unsupported
         target (e.g. a TP size that does not divide the heads).
     """
-    return _Planner(version, target, row_slice_options).run()
+    return _Planner(version, target, row_slice_options, sticky_bytes).run()
+
+
+# A shard slot's candidates: parallel tuples of source ids and their descriptors.
+_Slot = tuple[tuple[str, ...], tuple[TensorDescriptor, ...]]
+# Pass-1 result per tensor: template, (source, addr) per slot, HF names, dtype, role.
+_Planned = tuple[Template, list[tuple[str, int] | None], list[str], str, Role]
 
 
 class _Planner:
-    def __init__(self, version: VersionInfo, target: TargetLayout, row_slice_options: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        version: VersionInfo,
+        target: TargetLayout,
+        row_slice_options: dict[str, Any] | None,
+        sticky_bytes: int,
+    ) -> None:
         self.version = version
         self.target = target
         self.cfg = MegatronConfig.from_sidecar(version.sidecar)
@@ -206,6 +226,7 @@ class _Planner:
             raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}]: expected a mapping, got {type(hf_map).__name__}")
         self.hf_map: Mapping[str, Any] = hf_map
         self.row_slice_options = row_slice_options
+        self.sticky_bytes = sticky_bytes
         _check_target(target, self.cfg)
         n_experts = self.cfg.num_moe_experts
         if n_experts:
@@ -213,71 +234,89 @@ class _Planner:
             self.owned = (target.ep_rank * per, (target.ep_rank + 1) * per)
         else:
             self.owned = (0, 0)
-        # Rotate tie-breaks by receiver so workers start on different replicas of a shard.
+        # Rotate first picks by receiver so workers start on different replicas of a shard.
         self.rotation = target.ep_rank * target.tp_size + target.tp_rank
         self.templates: dict[tuple[Any, ...], Template] = {}
-        self.load: dict[str, int] = {}
+        self.load: dict[str, int] = {s.source_id: 0 for s in version.sources}
+        self.current: dict[tuple[str, ...], int] = {}  # replica set -> index read from last
         self.gaps: list[tuple[str, str]] = []
-        self.expert_families: dict[str, int] = {}  # "name with id removed" -> tensors seen
+        self.expert_families: dict[str, int] = {}  # "name with id removed" -> 0
         self.experts_seen = 0
 
     # -- driver ----------------------------------------------------------------------------------
     def run(self) -> MegatronReceivePlan:
         index = _index(self.version)
-        for source in self.version.sources:
-            self.load[source.source_id] = 0
-        reads: list[ReadOp] = []
-        entries: list[_Entry] = []
-        hf_names: list[str] = []
+        order = {s.source_id: i for i, s in enumerate(sorted(self.version.sources, key=lambda s: s.source_id))}
+        # Pass 1, in name-map order: template and one source per needed slot, per tensor.
+        planned: list[_Planned] = []
+        keys: list[int] = []
         produced: set[str] = set()
-        by_role: dict[str, list[int]] = {}
-        cursor = 0
+        lo_owned, hi_owned = self.owned
+        load, templates = self.load, self.templates
+        current, rotation, sticky = self.current, self.rotation, self.sticky_bytes
         for mname, entry in self.hf_map.items():
-            names = _hf_names(mname, entry)
-            holders = index.get(mname)
-            if holders is None:
+            pairs = index.get(mname)
+            names = entry.get("hf") if type(entry) is dict else None
+            if type(names) is not list:
+                names = _hf_names(mname, entry)  # validates, or raises naming the entry
+            if pairs is None:
                 self._missing(mname, names)
                 continue
-            first = holders[0][1]
-            if first.role in _EXPERT_ROLES:
+            first = pairs[0][1][0]
+            role = first.role
+            if role is Role.EXPERT_COLUMN or role is Role.EXPERT_ROW:
                 eid = first.extras.get("expert_id")
                 if eid is None:
                     eid = _parse_expert_id(mname)
-                if not self.owned[0] <= eid < self.owned[1]:
+                if not lo_owned <= eid < hi_owned:
                     continue
                 self.experts_seen += 1
-                if eid == self.owned[0]:
+                if eid == lo_owned:
                     self.expert_families[_expert_family(mname)] = 0
-            if produced.intersection(names):
-                if produced.issuperset(names):
-                    continue  # e.g. a tied output layer mapped to a name already received
-                raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: HF names {names} partly produced twice")
+            before = len(produced)
             produced.update(names)
+            if len(produced) - before != len(names):
+                if before == len(produced):
+                    continue  # every name already received (e.g. a tied output layer)
+                raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: HF names {names} partly produced twice")
 
-            tpl, slots = self._template(mname, names, holders, first)
-            base = cursor
-            cursor = base + (tpl.region + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
+            if first.shard_axis < 0:
+                # Unsplit: one slot, every holder a replica.
+                slots = [pairs[0] if len(pairs) == 1 else _merge(pairs)]
+                geometry: tuple[Any, ...] = ((0, first.local_shape),)
+            else:
+                slots, geometry = _split_slots(pairs)
+            vocab_like = role is Role.VOCAB_PARALLEL or (
+                (role is Role.COLUMN or role is Role.REPLICATED) and mname.endswith(_VOCAB_SUFFIXES)
+            )
+            key = (len(names), role, first.global_shape, first.dtype, first.shard_axis, geometry, vocab_like,
+                   first.extras.get("tp_size") if first.shard_axis >= 0 else None)
+            tpl = templates.get(key)
+            if tpl is None:
+                tpl = templates[key] = self._build_checked(mname, len(names), first, geometry, vocab_like)
             if tpl.gaps:
                 self.gaps.extend((names[j], text) for j, text in tpl.gaps)
-            # One source per needed slot: the least loaded so far (replicas spread the load).
             chosen: list[tuple[str, int] | None] = [None] * len(slots)
+            sort_key = -1
             for s, need in enumerate(tpl.slot_bytes):
                 if need:
-                    sid, desc = self._pick(slots[s])
-                    self.load[sid] += need
-                    chosen[s] = (sid, desc.addr)
-            for s, src, nbytes, dst in tpl.pieces:
-                sid, addr = chosen[s]  # type: ignore[misc]
-                reads.append(ReadOp(sid, addr + src, nbytes, base + dst))
-            counters = by_role.get(first.role.value)
-            if counters is None:
-                counters = by_role[first.role.value] = [0, 0]
-            counters[0] += tpl.pulled
-            counters[1] += tpl.needed
-            entries.append(_Entry(base, tpl, names, first.dtype))
-            hf_names.extend(names)
+                    sids, descs = slots[s]
+                    j = 0
+                    if len(sids) > 1:
+                        # Sticky replica choice (inlined: this runs for every replicated tensor).
+                        j = current.get(sids, rotation % len(sids))
+                        least = min(map(load.__getitem__, sids))
+                        if load[sids[j]] - least > sticky:
+                            j = list(map(load.__getitem__, sids)).index(least)
+                        current[sids] = j
+                    load[sids[j]] += need
+                    chosen[s] = (sids[j], descs[j].addr)
+                    if sort_key < 0:
+                        sort_key = (order[sids[j]] << 64) + descs[j].addr
+            planned.append((tpl, chosen, names, first.dtype, role))
+            keys.append(sort_key)
 
-        self._structural_gaps(index)
+        self._structural_gaps()
         if self.gaps:
             listed = "; ".join(f"{name}: {where}" for name, where in self.gaps)
             raise CoverageError(
@@ -285,57 +324,63 @@ class _Planner:
                 f"needed range(s) for target {self.target}: {listed}",
                 gaps=list(self.gaps),
             )
+        return self._layout(planned, keys, sorted(set(index).difference(self.hf_map)))
+
+    def _layout(
+        self,
+        planned: list[_Planned],
+        keys: list[int],
+        unmapped: list[str],
+    ) -> MegatronReceivePlan:
+        """Pass 2: arena regions in (source, remote address) order so consecutive tensors of one
+        source are adjacent on both sides, and reads that touch on both sides merge."""
+        bases = [0] * len(planned)
+        raw: list[list[Any]] = []  # [source_id, remote_addr, nbytes, local_offset]
+        tail: dict[str, list[Any]] = {}  # source -> its last read, to extend
+        cursor = 0
+        for i in sorted(range(len(planned)), key=keys.__getitem__):
+            tpl, chosen = planned[i][0], planned[i][1]
+            base = bases[i] = cursor
+            cursor += (tpl.region + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
+            for s, src, nbytes, dst in tpl.pieces:
+                sid, addr = chosen[s]  # type: ignore[misc]
+                remote, local = addr + src, base + dst
+                last = tail.get(sid)
+                if last is not None and last[1] + last[2] == remote and last[3] + last[2] == local:
+                    last[2] += nbytes
+                else:
+                    tail[sid] = op = [sid, remote, nbytes, local]
+                    raw.append(op)
+        by_role: dict[Role, list[int]] = {}
+        entries: list[_Entry] = []
+        hf_names: list[str] = []
+        for (tpl, _, names, dtype, role), base in zip(planned, bases):
+            counters = by_role.get(role)
+            if counters is None:
+                counters = by_role[role] = [0, 0]
+            counters[0] += tpl.pulled
+            counters[1] += tpl.needed
+            entries.append((base, tpl, names, dtype))
+            hf_names.extend(names)
         return MegatronReceivePlan(
-            reads=reads,
+            reads=[ReadOp(*op) for op in raw],
             arena_bytes=max(cursor, 1),
             bytes_needed=sum(c[1] for c in by_role.values()),
-            bytes_by_role={role: (c[0], c[1]) for role, c in by_role.items()},
+            bytes_by_role={role.value: (c[0], c[1]) for role, c in by_role.items()},
             hf_names=hf_names,
-            unmapped=sorted(set(index).difference(self.hf_map)),
+            unmapped=unmapped,
             _entries=entries,
         )
 
-    def _pick(self, candidates: list[tuple[str, TensorDescriptor]]) -> tuple[str, TensorDescriptor]:
-        n = len(candidates)
-        if n == 1:
-            return candidates[0]
-        load = self.load
-        start = self.rotation % n
-        best = candidates[start]
-        best_load = load[best[0]]
-        for i in range(1, n):
-            cand = candidates[(start + i) % n]
-            if load[cand[0]] < best_load:
-                best, best_load = cand, load[cand[0]]
-        return best
+    def _build_checked(
+        self, mname: str, kind: int, desc: TensorDescriptor, geometry: tuple[Any, ...], vocab_like: bool
+    ) -> Template:
+        try:
+            return self._build(mname, kind, desc, geometry, vocab_like)
+        except ValueError as exc:
+            raise InvalidArgument(f"tensor {mname!r} ({desc.role.value}, {desc.global_shape}): {exc}") from exc
 
     # -- templates -------------------------------------------------------------------------------
-    def _template(
-        self, mname: str, names: tuple[str, ...], holders: list[tuple[str, TensorDescriptor]], first: TensorDescriptor
-    ) -> tuple[Template, list[list[tuple[str, TensorDescriptor]]]]:
-        """The template of this tensor's geometry (cached) and its shard slots' candidates."""
-        if len(holders) == 1 or first.shard_axis < 0:
-            slots = [holders]
-            geometry: tuple[Any, ...] = ((first.shard_offset, first.local_shape),)
-        else:
-            by_offset: dict[int, list[tuple[str, TensorDescriptor]]] = {}
-            for holder in holders:
-                by_offset.setdefault(holder[1].shard_offset, []).append(holder)
-            offsets = sorted(by_offset)
-            slots = [by_offset[o] for o in offsets]
-            geometry = tuple((o, by_offset[o][0][1].local_shape) for o in offsets)
-        vocab_like = first.role is Role.VOCAB_PARALLEL or mname.endswith(_VOCAB_SUFFIXES)
-        key = (len(names), first.role, first.global_shape, first.dtype, first.shard_axis, geometry, vocab_like,
-               first.extras.get("tp_size"))
-        tpl = self.templates.get(key)
-        if tpl is None:
-            try:
-                tpl = self._build(mname, len(names), first, geometry, vocab_like)
-            except ValueError as exc:
-                raise InvalidArgument(f"tensor {mname!r} ({first.role.value}, {first.global_shape}): {exc}") from exc
-            self.templates[key] = tpl
-        return tpl, slots
-
     def _build(
         self,
         mname: str,
@@ -427,15 +472,17 @@ class _Planner:
             return  # tied: the engine reuses the embedding, nobody publishes an output layer
         self.gaps.extend((name, f"not published by any source (Megatron {mname!r})") for name in names)
 
-    def _structural_gaps(self, index: Mapping[str, Any]) -> None:
+    def _structural_gaps(self) -> None:
         """Catch what a name map merged from too few sources cannot show: whole layers or experts
         that no source (and so no sidecar) mentions."""
         if self.cfg.num_layers:
             present: set[int] = set()
             routers: set[int] = set()
             for name in self.hf_map:
+                if ".experts." in name:
+                    continue
                 layer = _layer_of(name)
-                if layer >= 0 and ".experts." not in name:
+                if layer >= 0:
                     present.add(layer)
                     if ".mlp.router." in name:
                         routers.add(layer)
@@ -471,19 +518,48 @@ def _check_target(target: TargetLayout, cfg: MegatronConfig) -> None:
         )
 
 
-def _index(version: VersionInfo) -> dict[str, list[tuple[str, TensorDescriptor]]]:
-    """Megatron name -> [(source_id, descriptor)], sources in id order (deterministic picks)."""
-    index: dict[str, list[tuple[str, TensorDescriptor]]] = {}
-    get = index.get
+def _index(version: VersionInfo) -> dict[str, list[_Slot]]:
+    """Megatron name -> [(source ids, their descriptors)], one pair per group of sources that
+    publish the same names in the same order (e.g. the TP ranks of one PP stage and EP rank).
+
+    Grouping first lets C-level ``zip`` pair up each name's replicas/shards, so indexing costs
+    one Python step per name and group instead of one per descriptor. Sources are in id order,
+    so every later choice is deterministic.
+    """
+    groups: dict[tuple[str, ...], list[Any]] = {}
     for source in sorted(version.sources, key=lambda s: s.source_id):
-        sid = source.source_id
-        for desc in source.tensors:
-            holders = get(desc.name)
-            if holders is None:
-                index[desc.name] = [(sid, desc)]
+        groups.setdefault(tuple(map(_NAME, source.tensors)), []).append(source)
+    index: dict[str, list[_Slot]] = {}
+    get = index.get
+    for names, members in groups.items():
+        sids = tuple(m.source_id for m in members)
+        for name, descs in zip(names, zip(*(m.tensors for m in members))):
+            pairs = get(name)
+            if pairs is None:
+                index[name] = [(sids, descs)]
             else:
-                holders.append((sid, desc))
+                pairs.append((sids, descs))
     return index
+
+
+def _merge(pairs: list[_Slot]) -> _Slot:
+    """One candidate set out of several groups' replicas."""
+    return tuple(s for sids, _ in pairs for s in sids), tuple(d for _, descs in pairs for d in descs)
+
+
+def _split_slots(pairs: list[_Slot]) -> tuple[list[_Slot], tuple[Any, ...]]:
+    """Shard slots (by offset, sorted) with their replicas, and the geometry key."""
+    by_offset: dict[int, tuple[list[str], list[TensorDescriptor]]] = {}
+    for sids, descs in pairs:
+        for sid, desc in zip(sids, descs):
+            slot = by_offset.get(desc.shard_offset)
+            if slot is None:
+                slot = by_offset[desc.shard_offset] = ([], [])
+            slot[0].append(sid)
+            slot[1].append(desc)
+    offsets = sorted(by_offset)
+    slots = [(tuple(by_offset[o][0]), tuple(by_offset[o][1])) for o in offsets]
+    return slots, tuple((o, by_offset[o][1][0].local_shape) for o in offsets)
 
 
 def _layer_of(name: str) -> int:
