@@ -1,0 +1,61 @@
+"""The mx-refit weight catalog: which sources hold which tensors of which model version.
+
+Re-exports only, resolved lazily: ``import mx_refit.catalog`` imports neither grpc nor
+protobuf; they load when the server, servicer or client is first touched.
+
+* :class:`CatalogService` — the transport-agnostic state machine (embeddable, thread-safe).
+* :class:`CatalogServer`, :func:`start_embedded`, :func:`serve_forever` — serve it over gRPC.
+* :class:`CatalogClient` — the typed remote client (same methods, same errors).
+* :class:`Catalog` — the protocol both the service and the client satisfy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.catalog.api import DEFAULT_TTL_S, Catalog, VersionSummary
+    from mx_refit.catalog.client import CatalogClient
+    from mx_refit.catalog.server import CatalogServer, serve_forever, start_embedded
+    from mx_refit.catalog.service import CatalogService, ReapReport
+    from mx_refit.catalog.validation import CatalogLimits
+
+__all__ = [
+    "DEFAULT_TTL_S",
+    "Catalog",
+    "CatalogClient",
+    "CatalogLimits",
+    "CatalogServer",
+    "CatalogService",
+    "ReapReport",
+    "VersionSummary",
+    "serve_forever",
+    "start_embedded",
+]
+
+_WHERE = {
+    "DEFAULT_TTL_S": "api",
+    "Catalog": "api",
+    "VersionSummary": "api",
+    "CatalogLimits": "validation",
+    "CatalogService": "service",
+    "ReapReport": "service",
+    "CatalogServer": "server",
+    "serve_forever": "server",
+    "start_embedded": "server",
+    "CatalogClient": "client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,151 @@
+"""The catalog service's internal records and its TTL deadline heap (no locking here: the
+service holds its lock around every use)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mx_refit.catalog.validation import json_text
+from mx_refit.errors import InvalidArgument
+from mx_refit.types import Role, SourceInfo, VersionInfo, VersionState
+
+__all__ = [
+    "Deadlines",
+    "LeaseRecord",
+    "SourceLife",
+    "TensorIndex",
+    "Timed",
+    "VersionRecord",
+    "check_tensors_agree",
+    "index_tensors",
+]
+
+
+@dataclass(eq=False)
+class Timed:
+    """Something with a TTL. ``heap_at`` is the time of its live entry in :class:`Deadlines`."""
+
+    ttl_s: float
+    expires_at: float
+    heap_at: float = float("inf")
+    dead: bool = False
+
+
+@dataclass(eq=False)
+class SourceLife(Timed):
+    """Liveness of one source id, across every (model, version) it registered for."""
+
+    source_id: str = ""
+    versions: set[tuple[str, int]] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class LeaseRecord(Timed):
+    lease_id: str = ""
+    reader_id: str = ""
+    record: VersionRecord | None = None
+
+
+# name -> (dtype, global_shape, role, source_id that registered it first)
+TensorIndex = dict[str, tuple[str, tuple[int, ...], Role, str]]
+
+
+@dataclass(eq=False)
+class VersionRecord:
+    model: str
+    version: int
+    expected_sources: int
+    state: VersionState = VersionState.PENDING
+    sources: dict[str, SourceInfo] = field(default_factory=dict)
+    sidecars: dict[str, dict[str, Any]] = field(default_factory=dict)  # per source, as sent
+    sidecar: dict[str, Any] = field(default_factory=dict)  # merged
+    sidecar_text: str | None = None  # cached JSON of ``sidecar``
+    tensors: TensorIndex = field(default_factory=dict)
+    leases: dict[str, LeaseRecord] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"model {self.model!r} version {self.version}"
+
+    def info(self) -> VersionInfo:
+        """The manifest, sources ordered by mesh position (pp, ep, tp) then id."""
+        if self.sidecar_text is None:
+            self.sidecar_text = json_text(self.sidecar)
+        return VersionInfo(
+            model=self.model,
+            version=self.version,
+            state=self.state,
+            expected_sources=self.expected_sources,
+            sources=tuple(sorted(self.sources.values(), key=_mesh_order)),
+            sidecar=json.loads(self.sidecar_text),  # a fresh copy per caller
+        )
+
+
+def _mesh_order(source: SourceInfo) -> tuple[int, int, int, str]:
+    mesh = source.mesh
+    return (mesh.pp_rank, mesh.ep_rank, mesh.tp_rank, source.source_id)
+
+
+def index_tensors(index: TensorIndex, source: SourceInfo) -> None:
+    """Record the dtype/global_shape/role of every tensor name ``source`` introduces."""
+    for desc in source.tensors:
+        index.setdefault(desc.name, (desc.dtype, desc.global_shape, desc.role, source.source_id))
+
+
+def check_tensors_agree(index: TensorIndex, source: SourceInfo) -> None:
+    """Ranks holding shards of the same tensor must agree on what the full tensor is."""
+    for i, desc in enumerate(source.tensors):
+        known = index.get(desc.name)
+        if known is None:
+            continue
+        for attr, old in zip(("dtype", "global_shape", "role"), known[:3], strict=True):
+            new = getattr(desc, attr)
+            if new != old:
+                show = (lambda v: v.value) if attr == "role" else repr
+                raise InvalidArgument(
+                    f"source.tensors[{i}].{attr}: {show(new)} for tensor {desc.name!r} disagrees "
+                    f"with {show(old)} registered by source {known[3]!r}"
+                )
+
+
+class Deadlines:
+    """Min-heap of TTL deadlines with lazy renewal: one live entry per record.
+
+    Renewals only move a deadline later, so they do not touch the heap: an entry that pops
+    before its record's (renewed) ``expires_at`` is pushed again at that time. Only a deadline
+    moved earlier (a shorter TTL) needs a new entry, which supersedes the old one via
+    ``heap_at``. Heap size therefore tracks the number of records, not of heartbeats.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Timed]] = []
+        self._seq = itertools.count()  # tie-breaker: records themselves are not ordered
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def set(self, timed: Timed, expires_at: float, *, new: bool = False) -> None:
+        timed.expires_at = expires_at
+        if new or expires_at < timed.heap_at:
+            self._push(timed, expires_at)
+
+    def _push(self, timed: Timed, at: float) -> None:
+        timed.heap_at = at
+        heapq.heappush(self._heap, (at, next(self._seq), timed))
+
+    def expired(self, now: float) -> Iterator[Timed]:
+        """Pop and yield every live record whose deadline is ``<= now``."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            at, _, timed = heapq.heappop(heap)
+            if timed.dead or timed.heap_at != at:
+                continue  # superseded entry
+            if timed.expires_at > now:
+                self._push(timed, timed.expires_at)  # renewed since: follow it
+            else:
+                yield timed

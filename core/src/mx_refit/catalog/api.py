@@ -1,0 +1,101 @@
+"""The catalog's public surface shared by the embedded service and the remote client.
+
+``Catalog`` is the protocol the publisher and the receiver program against: both
+:class:`~mx_refit.catalog.service.CatalogService` (in-process) and
+:class:`~mx_refit.catalog.client.CatalogClient` (over gRPC) satisfy it, with the same
+arguments, return types and :mod:`mx_refit.errors` exceptions. No grpc import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from mx_refit.types import SourceInfo, VersionInfo, VersionState
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "VersionSummary"]
+
+# Default TTL of sources and leases; heartbeat at a third of it or more often.
+DEFAULT_TTL_S = 30.0
+# gRPC message bound of server and client: a 1M-descriptor manifest plus 16 MiB of agent
+# metadata and a 64 MiB sidecar must fit.
+DEFAULT_MAX_MESSAGE_BYTES = 512 * (1 << 20)
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    """One version as :meth:`Catalog.list_versions` reports it (no descriptors)."""
+
+    model: str
+    version: int
+    state: VersionState
+    expected_sources: int
+    registered_sources: int
+    ready_sources: int
+    leases: int
+
+
+@runtime_checkable
+class Catalog(Protocol):
+    """What publishers and receivers need from the catalog (embedded or remote).
+
+    Every method raises :mod:`mx_refit.errors`: ``InvalidArgument`` (malformed or conflicting
+    request; the message names the field and the value), ``NotFound`` (unknown model, version,
+    source, or an unknown/expired lease), ``FailedPrecondition`` (the version's state forbids
+    the call; the message names the state); remote clients add ``Unauthenticated`` and
+    ``Unavailable``.
+    """
+
+    def register_source(
+        self,
+        model: str,
+        version: int,
+        expected_sources: int,
+        source: SourceInfo,
+        sidecar: Mapping[str, Any] | None = None,
+        ttl_s: float = DEFAULT_TTL_S,
+    ) -> VersionState:
+        """Register (or replace, while PENDING) one source; return the version's state."""
+        ...
+
+    def mark_ready(self, model: str, version: int, source_id: str) -> VersionState:
+        """Mark a registered source ready; return the version's state."""
+        ...
+
+    def heartbeat(self, source_ids: Sequence[str] = (), lease_ids: Sequence[str] = ()) -> None:
+        """Renew the TTLs of the given sources and leases (all or nothing)."""
+        ...
+
+    def get_version(
+        self, model: str, version: int | None = None, min_version: int = 0
+    ) -> VersionInfo:
+        """The newest READY version >= ``min_version``, or exactly ``version`` (if READY)."""
+        ...
+
+    def list_versions(self, model: str) -> list[VersionSummary]:
+        """Every remembered version of ``model``, oldest first."""
+        ...
+
+    def acquire_lease(
+        self,
+        model: str,
+        version: int,
+        reader_id: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        lease_id: str | None = None,
+    ) -> str:
+        """Lease a READY version; return the lease id."""
+        ...
+
+    def release_lease(self, lease_id: str) -> None:
+        """Release a live lease."""
+        ...
+
+    def retire_version(self, model: str, version: int) -> VersionState:
+        """Stop offering a version; return its state (DRAINING or RETIRED)."""
+        ...
+
+    def wait_drained(self, model: str, version: int, timeout_s: float) -> bool:
+        """Wait until a retired version has no live lease; False on timeout."""
+        ...

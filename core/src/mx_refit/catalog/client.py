@@ -1,0 +1,318 @@
+"""``CatalogClient``: the typed gRPC client of the catalog.
+
+It mirrors :class:`~mx_refit.catalog.service.CatalogService` method for method (both satisfy
+:class:`~mx_refit.catalog.api.Catalog`) and raises the same :mod:`mx_refit.errors`, plus
+``Unauthenticated`` (bad token) and ``Unavailable`` (catalog unreachable after the retry
+budget). It is thread-safe, and pickles as its configuration only: each process (and each
+forked child) opens its own channel on first use.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from mx_refit.catalog import convert
+from mx_refit.catalog.api import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TTL_S, VersionSummary
+from mx_refit.catalog.status import RETRYABLE, error_for
+from mx_refit.catalog.v1 import catalog_pb2 as pb
+from mx_refit.catalog.v1 import catalog_pb2_grpc
+from mx_refit.catalog.validation import check_name, check_token
+from mx_refit.errors import InvalidArgument, Unavailable
+from mx_refit.types import SourceInfo, VersionInfo, VersionState
+
+__all__ = ["CatalogClient"]
+
+
+def _request(cls: type[Message], **fields: Any) -> Any:
+    """Build a request message; a field of the wrong type is the caller's InvalidArgument."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{cls.__name__}: {exc}") from None
+
+
+# Longest slice of a wait_drained call on the wire; below the servicer's 30 s cap so a slice
+# ends by the client's choice, and short enough to ride out a catalog restart.
+_WAIT_SLICE_S = 20.0
+_MAX_BACKOFF_S = 2.0
+
+
+class CatalogClient:
+    """Typed catalog client.
+
+    :param address: ``host:port`` of a :class:`~mx_refit.catalog.server.CatalogServer`.
+    :param token: bearer token, when the server requires one.
+    :param timeout_s: deadline of each call (``wait_drained`` adds its own wait to it).
+    :param retries: extra attempts after UNAVAILABLE or DEADLINE_EXCEEDED (never after any
+        other status), with exponential backoff from ``backoff_s``; then ``Unavailable``.
+    :param max_message_bytes: largest request/reply the channel accepts.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        retries: int = 3,
+        *,
+        backoff_s: float = 0.1,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if not isinstance(address, str) or not address:
+            raise InvalidArgument(
+                f"address: must be a non-empty 'host:port' string, got {address!r}"
+            )
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s: {timeout_s} must be > 0")
+        if retries < 0:
+            raise InvalidArgument(f"retries: {retries} must be >= 0")
+        self.address = address
+        self._token = check_token(token)
+        self.timeout_s = float(timeout_s)
+        self.retries = int(retries)
+        self.backoff_s = float(backoff_s)
+        self.max_message_bytes = int(max_message_bytes)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: catalog_pb2_grpc.CatalogServiceStub | None = None
+        self._pid = -1
+
+    # --- pickling: configuration only ---------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "token": self._token,
+            "timeout_s": self.timeout_s,
+            "retries": self.retries,
+            "backoff_s": self.backoff_s,
+            "max_message_bytes": self.max_message_bytes,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["address"],
+            state["token"],
+            state["timeout_s"],
+            state["retries"],
+            backoff_s=state["backoff_s"],
+            max_message_bytes=state["max_message_bytes"],
+        )
+
+    def __repr__(self) -> str:
+        return f"CatalogClient({self.address!r}, token={'set' if self._token else 'none'})"
+
+    # --- channel lifecycle -------------------------------------------------------------
+
+    def _get_stub(self) -> catalog_pb2_grpc.CatalogServiceStub:
+        with self._lock:
+            # A channel inherited across fork() is unusable in the child: open a fresh one.
+            if self._stub is None or self._pid != os.getpid():
+                self._channel = grpc.insecure_channel(
+                    self.address,
+                    options=[
+                        ("grpc.max_send_message_length", self.max_message_bytes),
+                        ("grpc.max_receive_message_length", self.max_message_bytes),
+                        ("grpc.enable_http_proxy", 0),  # the catalog is never behind a proxy
+                    ],
+                )
+                # The generated stub module is untyped (grpc_tools emits no .pyi for it).
+                self._stub = catalog_pb2_grpc.CatalogServiceStub(  # type: ignore[no-untyped-call]
+                    self._channel
+                )
+                self._pid = os.getpid()
+            return self._stub
+
+    def close(self) -> None:
+        """Close the channel (a later call reopens it)."""
+        with self._lock:
+            channel, self._channel, self._stub = self._channel, None, None
+            owned = self._pid == os.getpid()
+        if channel is not None and owned:
+            channel.close()
+
+    def __enter__(self) -> CatalogClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        *,
+        timeout_s: float | None = None,
+        not_found_after_retry_is_success: bool = False,
+    ) -> Any:
+        """One unary call with bounded retries on transient failures.
+
+        ``not_found_after_retry_is_success`` covers deletes, which are not idempotent by
+        themselves: if an earlier attempt may have been applied (its reply was lost) and the
+        retry then reports NOT_FOUND, the call did succeed (the reply is then None).
+        """
+        attempts = self.retries + 1
+        last: grpc.RpcError | None = None
+        for attempt in range(attempts):
+            if attempt:
+                delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S)
+                time.sleep(delay * (0.5 + random.random()))  # jitter: ranks retry out of step
+            stub_method = getattr(self._get_stub(), method)
+            try:
+                return stub_method(
+                    request,
+                    timeout=timeout_s if timeout_s is not None else self.timeout_s,
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError as exc:
+                code = exc.code()
+                details = exc.details() or ""
+                if code in RETRYABLE:
+                    last = exc
+                    continue
+                if (
+                    code is grpc.StatusCode.NOT_FOUND
+                    and last is not None
+                    and not_found_after_retry_is_success
+                ):
+                    return None
+                raise error_for(code, details, method) from None
+        assert last is not None
+        code, details = last.code(), last.details() or ""
+        raise Unavailable(
+            f"catalog at {self.address} is unavailable after {attempts} attempt(s) of {method}: "
+            f"{code.name}: {details}"
+        ) from None
+
+    # --- publisher side ------------------------------------------------------------------
+
+    def register_source(
+        self,
+        model: str,
+        version: int,
+        expected_sources: int,
+        source: SourceInfo,
+        sidecar: Mapping[str, Any] | None = None,
+        ttl_s: float = DEFAULT_TTL_S,
+    ) -> VersionState:
+        """See :meth:`CatalogService.register_source`."""
+        request = _request(
+            pb.RegisterSourceRequest,
+            model=model,
+            version=version,
+            expected_sources=expected_sources,
+            sidecar_json=convert.json_to_text(sidecar, "sidecar"),
+            ttl_s=ttl_s,
+        )
+        convert.source_to_proto(source, request.source)
+        reply = self._call("RegisterSource", request)
+        return convert.state_from_proto(reply.state)
+
+    def mark_ready(self, model: str, version: int, source_id: str) -> VersionState:
+        """See :meth:`CatalogService.mark_ready`."""
+        request = _request(pb.MarkReadyRequest, model=model, version=version, source_id=source_id)
+        return convert.state_from_proto(self._call("MarkReady", request).state)
+
+    def heartbeat(self, source_ids: Sequence[str] = (), lease_ids: Sequence[str] = ()) -> None:
+        """See :meth:`CatalogService.heartbeat`."""
+        for name, ids in (("source_ids", source_ids), ("lease_ids", lease_ids)):
+            if isinstance(ids, (str, bytes)):
+                raise InvalidArgument(f"{name}: must be a sequence of ids, got the string {ids!r}")
+        request = _request(
+            pb.HeartbeatRequest, source_ids=list(source_ids), lease_ids=list(lease_ids)
+        )
+        self._call("Heartbeat", request)
+
+    def retire_version(self, model: str, version: int) -> VersionState:
+        """See :meth:`CatalogService.retire_version`."""
+        request = _request(pb.RetireVersionRequest, model=model, version=version)
+        return convert.state_from_proto(self._call("RetireVersion", request).state)
+
+    def wait_drained(self, model: str, version: int, timeout_s: float) -> bool:
+        """See :meth:`CatalogService.wait_drained`.
+
+        Long waits go over the wire in slices of at most 20 s, so a catalog restart or a lost
+        connection costs one retry, not the whole wait.
+        """
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not (math.isfinite(timeout_s) and timeout_s >= 0)
+        ):
+            # Let the catalog reject it, with the same InvalidArgument the service raises.
+            request = _request(
+                pb.WaitDrainedRequest, model=model, version=version, timeout_s=timeout_s
+            )
+            return bool(self._call("WaitDrained", request).drained)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait = min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S)
+            request = _request(pb.WaitDrainedRequest, model=model, version=version, timeout_s=wait)
+            reply = self._call("WaitDrained", request, timeout_s=wait + self.timeout_s)
+            if reply.drained:
+                return True
+            if deadline - time.monotonic() <= 0:
+                return False
+
+    # --- reader side -----------------------------------------------------------------
+
+    def get_version(
+        self, model: str, version: int | None = None, min_version: int = 0
+    ) -> VersionInfo:
+        """See :meth:`CatalogService.get_version`."""
+        exact = {} if version is None else {"version": version}
+        request = _request(pb.GetVersionRequest, model=model, min_version=min_version, **exact)
+        return convert.version_info_from_proto(self._call("GetVersion", request).version_info)
+
+    def list_versions(self, model: str) -> list[VersionSummary]:
+        """See :meth:`CatalogService.list_versions`."""
+        reply = self._call("ListVersions", _request(pb.ListVersionsRequest, model=model))
+        return [convert.summary_from_proto(msg) for msg in reply.versions]
+
+    def acquire_lease(
+        self,
+        model: str,
+        version: int,
+        reader_id: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        lease_id: str | None = None,
+    ) -> str:
+        """See :meth:`CatalogService.acquire_lease`.
+
+        The client picks the lease id up front (unless given), so a retried call can never
+        leave an orphan lease that would stall the publisher's drain until its TTL.
+        """
+        request = _request(
+            pb.AcquireLeaseRequest,
+            model=model,
+            version=version,
+            reader_id=reader_id,
+            ttl_s=ttl_s,
+            lease_id=uuid.uuid4().hex if lease_id is None else check_name(lease_id, "lease_id"),
+        )
+        return str(self._call("AcquireLease", request).lease_id)
+
+    def release_lease(self, lease_id: str) -> None:
+        """See :meth:`CatalogService.release_lease`."""
+        self._call(
+            "ReleaseLease",
+            _request(pb.ReleaseLeaseRequest, lease_id=lease_id),
+            not_found_after_retry_is_success=True,
+        )

@@ -1,0 +1,284 @@
+"""Conversions between catalog protobuf messages and :mod:`mx_refit.types` domain objects.
+
+Free-form data (descriptor ``extras``, sidecars) travels as canonical JSON text so that ints
+(of any size), floats (exactly, via their shortest repr), strings, bools, ``None``, lists and
+nested dicts round-trip unchanged; tuples arrive as lists. An empty string stands for ``{}``.
+
+Malformed input in either direction raises :class:`~mx_refit.errors.InvalidArgument` naming the
+field. Semantic validation (shapes, sizes, consistency) is the service's job, not this module's.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from mx_refit.catalog.api import VersionSummary
+from mx_refit.catalog.v1 import catalog_pb2 as pb
+from mx_refit.catalog.validation import json_text, to_json_value
+from mx_refit.errors import InvalidArgument
+from mx_refit.types import (
+    MemType,
+    MeshPosition,
+    Role,
+    SourceInfo,
+    TensorDescriptor,
+    VersionInfo,
+    VersionState,
+)
+
+__all__ = [
+    "descriptor_from_proto",
+    "descriptor_to_proto",
+    "json_from_text",
+    "json_to_text",
+    "mesh_from_proto",
+    "mesh_to_proto",
+    "source_from_proto",
+    "source_to_proto",
+    "state_from_proto",
+    "state_to_proto",
+    "summary_from_proto",
+    "summary_to_proto",
+    "version_info_from_proto",
+    "version_info_to_proto",
+]
+
+# Proto enum values are the domain member names with a prefix (ROLE_COLUMN <-> Role.COLUMN).
+_ROLE_TO_PB: dict[Role, pb.Role] = {m: getattr(pb, f"ROLE_{m.name}") for m in Role}
+_MEM_TO_PB: dict[MemType, pb.MemType] = {m: getattr(pb, f"MEM_TYPE_{m.name}") for m in MemType}
+_STATE_TO_PB: dict[VersionState, pb.VersionState] = {
+    m: getattr(pb, f"VERSION_STATE_{m.name}") for m in VersionState
+}
+_ROLE_FROM_PB: dict[int, Role] = {v: k for k, v in _ROLE_TO_PB.items()}
+_MEM_FROM_PB: dict[int, MemType] = {v: k for k, v in _MEM_TO_PB.items()}
+_STATE_FROM_PB: dict[int, VersionState] = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+def _to_pb[E: enum.Enum, P: int](
+    table: Mapping[E, P], cls: type[E], value: object, field: str
+) -> P:
+    try:
+        return table[cls(value)]
+    except (ValueError, KeyError):
+        allowed = ", ".join(str(m.value) for m in cls)
+        raise InvalidArgument(
+            f"{field}: unknown value {value!r}; expected one of {allowed}"
+        ) from None
+
+
+def _from_pb[E: enum.Enum](table: Mapping[int, E], value: int, field: str) -> E:
+    member = table.get(value)
+    if member is None:
+        raise InvalidArgument(f"{field}: unknown or unspecified enum value {value}")
+    return member
+
+
+def state_to_proto(state: VersionState) -> pb.VersionState:
+    """``VersionState`` -> ``pb.VersionState`` value."""
+    return _to_pb(_STATE_TO_PB, VersionState, state, "state")
+
+
+def state_from_proto(value: int, field: str = "state") -> VersionState:
+    """``pb.VersionState`` value -> ``VersionState``."""
+    return _from_pb(_STATE_FROM_PB, value, field)
+
+
+def json_to_text(value: Mapping[str, Any] | None, field: str) -> str:
+    """Encode a JSON-typed mapping; ``""`` for empty/None (the proto default)."""
+    if value is None:
+        return ""
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{field}: must be a mapping, got {type(value).__name__}")
+    if not value:
+        return ""
+    return json_text(to_json_value(value, field))
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def json_from_text(text: str, field: str) -> dict[str, Any]:
+    """Decode a JSON object sent by :func:`json_to_text` (``""`` is ``{}``)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}: invalid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{field}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def mesh_to_proto(mesh: MeshPosition) -> pb.MeshPosition:
+    """``MeshPosition`` -> message."""
+    return pb.MeshPosition(
+        tp_rank=mesh.tp_rank,
+        tp_size=mesh.tp_size,
+        pp_rank=mesh.pp_rank,
+        pp_size=mesh.pp_size,
+        ep_rank=mesh.ep_rank,
+        ep_size=mesh.ep_size,
+    )
+
+
+def mesh_from_proto(msg: pb.MeshPosition) -> MeshPosition:
+    """Message -> ``MeshPosition`` (not validated)."""
+    return MeshPosition(
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size,
+        pp_rank=msg.pp_rank,
+        pp_size=msg.pp_size,
+        ep_rank=msg.ep_rank,
+        ep_size=msg.ep_size,
+    )
+
+
+def _fill_descriptor(msg: pb.TensorDescriptor, desc: TensorDescriptor, field: str) -> None:
+    # str-valued enums hash and compare like their values, so "column" finds Role.COLUMN too.
+    role = _ROLE_TO_PB.get(desc.role)
+    if role is None:
+        role = _to_pb(_ROLE_TO_PB, Role, desc.role, f"{field}.role")
+    mem_type = _MEM_TO_PB.get(desc.mem_type)
+    if mem_type is None:
+        mem_type = _to_pb(_MEM_TO_PB, MemType, desc.mem_type, f"{field}.mem_type")
+    try:
+        msg.name = desc.name
+        msg.dtype = desc.dtype
+        msg.global_shape.extend(desc.global_shape)
+        msg.local_shape.extend(desc.local_shape)
+        msg.addr = desc.addr
+        msg.nbytes = desc.nbytes
+        msg.role = role
+        msg.shard_axis = desc.shard_axis
+        msg.shard_offset = desc.shard_offset
+        msg.mem_type = mem_type
+        msg.device_id = desc.device_id
+    except (TypeError, ValueError) as exc:  # wrong type, or out of the int64/int32 range
+        raise InvalidArgument(f"{field}: cannot encode descriptor {desc.name!r}: {exc}") from None
+    extras = desc.extras
+    if type(extras) is not dict and not isinstance(extras, Mapping):
+        raise InvalidArgument(f"{field}.extras: must be a mapping, got {type(extras).__name__}")
+    if extras:
+        msg.extras_json = json_to_text(extras, f"{field}.extras")
+
+
+def descriptor_to_proto(desc: TensorDescriptor, field: str = "tensor") -> pb.TensorDescriptor:
+    """``TensorDescriptor`` -> message."""
+    msg = pb.TensorDescriptor()
+    _fill_descriptor(msg, desc, field)
+    return msg
+
+
+def descriptor_from_proto(msg: pb.TensorDescriptor, field: str = "tensor") -> TensorDescriptor:
+    """Message -> ``TensorDescriptor`` (not validated)."""
+    role = _ROLE_FROM_PB.get(msg.role)
+    if role is None:
+        role = _from_pb(_ROLE_FROM_PB, msg.role, f"{field}.role")
+    mem_type = _MEM_FROM_PB.get(msg.mem_type)
+    if mem_type is None:
+        mem_type = _from_pb(_MEM_FROM_PB, msg.mem_type, f"{field}.mem_type")
+    extras = msg.extras_json
+    return TensorDescriptor(
+        name=msg.name,
+        dtype=msg.dtype,
+        global_shape=tuple(msg.global_shape),
+        local_shape=tuple(msg.local_shape),
+        addr=msg.addr,
+        nbytes=msg.nbytes,
+        role=role,
+        shard_axis=msg.shard_axis,
+        shard_offset=msg.shard_offset,
+        mem_type=mem_type,
+        device_id=msg.device_id,
+        extras=json_from_text(extras, f"{field}.extras") if extras else {},
+    )
+
+
+def source_to_proto(source: SourceInfo, msg: pb.SourceInfo | None = None) -> pb.SourceInfo:
+    """``SourceInfo`` -> message (filled into ``msg`` when given)."""
+    msg = pb.SourceInfo() if msg is None else msg
+    if not isinstance(source, SourceInfo):
+        raise InvalidArgument(f"source: expected a SourceInfo, got {type(source).__name__}")
+    try:
+        msg.source_id = source.source_id
+        msg.mesh.CopyFrom(mesh_to_proto(source.mesh))
+        msg.agent_name = source.agent_name
+        msg.agent_metadata = bytes(source.agent_metadata)
+        msg.ready = source.ready
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
+    for index, desc in enumerate(source.tensors):
+        _fill_descriptor(msg.tensors.add(), desc, f"source.tensors[{index}]")
+    return msg
+
+
+def source_from_proto(msg: pb.SourceInfo, field: str = "source") -> SourceInfo:
+    """Message -> ``SourceInfo`` (not validated)."""
+    return SourceInfo(
+        source_id=msg.source_id,
+        mesh=mesh_from_proto(msg.mesh),
+        agent_name=msg.agent_name,
+        agent_metadata=msg.agent_metadata,
+        tensors=tuple(
+            descriptor_from_proto(desc, f"{field}.tensors[{i}]")
+            for i, desc in enumerate(msg.tensors)
+        ),
+        ready=msg.ready,
+    )
+
+
+def version_info_to_proto(info: VersionInfo) -> pb.VersionInfo:
+    """``VersionInfo`` -> message."""
+    msg = pb.VersionInfo(
+        model=info.model,
+        version=info.version,
+        state=state_to_proto(info.state),
+        expected_sources=info.expected_sources,
+        sidecar_json=json_to_text(info.sidecar, "sidecar"),
+    )
+    for source in info.sources:
+        source_to_proto(source, msg.sources.add())
+    return msg
+
+
+def version_info_from_proto(msg: pb.VersionInfo) -> VersionInfo:
+    """Message -> ``VersionInfo``."""
+    return VersionInfo(
+        model=msg.model,
+        version=msg.version,
+        state=state_from_proto(msg.state),
+        expected_sources=msg.expected_sources,
+        sources=tuple(source_from_proto(src, f"sources[{i}]") for i, src in enumerate(msg.sources)),
+        sidecar=json_from_text(msg.sidecar_json, "sidecar"),
+    )
+
+
+def summary_to_proto(summary: VersionSummary) -> pb.VersionSummary:
+    """``VersionSummary`` -> message."""
+    return pb.VersionSummary(
+        model=summary.model,
+        version=summary.version,
+        state=state_to_proto(summary.state),
+        expected_sources=summary.expected_sources,
+        registered_sources=summary.registered_sources,
+        ready_sources=summary.ready_sources,
+        leases=summary.leases,
+    )
+
+
+def summary_from_proto(msg: pb.VersionSummary) -> VersionSummary:
+    """Message -> ``VersionSummary``."""
+    return VersionSummary(
+        model=msg.model,
+        version=msg.version,
+        state=state_from_proto(msg.state),
+        expected_sources=msg.expected_sources,
+        registered_sources=msg.registered_sources,
+        ready_sources=msg.ready_sources,
+        leases=msg.leases,
+    )

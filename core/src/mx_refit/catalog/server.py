@@ -1,0 +1,273 @@
+"""``CatalogServer``: gRPC server lifecycle, bearer-token check and the reaper thread.
+
+* :class:`CatalogServer` serves one :class:`CatalogService` (``start``/``stop``/context manager).
+* :func:`start_embedded` is the in-process default: loopback, ephemeral port.
+* :func:`serve_forever` backs ``mx-refit serve``: runs until SIGINT/SIGTERM.
+
+The token travels as ``authorization: Bearer <token>`` metadata over a plaintext channel: it
+guards against stray clients, not against an attacker on the network. Bind to loopback (the
+default) or to an isolated cluster network.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from types import FrameType, TracebackType
+from typing import Any
+
+import grpc
+
+from mx_refit.catalog.api import DEFAULT_MAX_MESSAGE_BYTES
+from mx_refit.catalog.service import CatalogService
+from mx_refit.catalog.servicer import CatalogServicer
+from mx_refit.catalog.v1 import catalog_pb2_grpc
+from mx_refit.catalog.validation import check_token
+from mx_refit.errors import InvalidArgument
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_PORT",
+    "CatalogServer",
+    "serve_forever",
+    "start_embedded",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50551
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, bracketing IPv6 literals."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class _BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Rejects every call whose ``authorization`` metadata is not ``Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._missing = self._deny("missing 'authorization: Bearer <token>' metadata")
+        self._wrong = self._deny("wrong bearer token")
+
+    @staticmethod
+    def _deny(message: str) -> grpc.RpcMethodHandler[Any, Any]:
+        def abort(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"catalog: {message}")
+
+        return grpc.unary_unary_rpc_method_handler(abort)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(presented, self._expected):  # constant time
+                    return continuation(handler_call_details)
+                return self._wrong
+        return self._missing
+
+
+class CatalogServer:
+    """A gRPC catalog server around a :class:`CatalogService`.
+
+    :param host: interface to bind; loopback by default.
+    :param port: TCP port; 0 picks a free one (read it back from :attr:`address`).
+    :param token: when set, every call must carry ``authorization: Bearer <token>``.
+    :param max_message_bytes: largest request/reply (manifests of ~1M descriptors must fit).
+    :param service: the state machine to serve (a fresh one by default; tests inject one with
+        a fake clock).
+    :param reap_interval_s: how often the reaper thread expires lapsed sources and leases.
+    :param max_workers: server threads; WaitDrained calls each hold one for up to 30 s, so keep
+        it well above the number of publishing ranks.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        *,
+        service: CatalogService | None = None,
+        reap_interval_s: float = 1.0,
+        max_workers: int = 256,
+    ) -> None:
+        if reap_interval_s <= 0:
+            raise InvalidArgument(f"reap_interval_s: {reap_interval_s} must be > 0")
+        self.host = host
+        self.service = service if service is not None else CatalogService()
+        self._port = port
+        self._token = check_token(token)
+        self._max_message_bytes = max_message_bytes
+        self._reap_interval_s = reap_interval_s
+        self._max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self._stopping = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients connect to (the real port once started)."""
+        return format_address(self.host, self._port)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def start(self) -> CatalogServer:
+        """Bind, start serving and start the reaper; returns ``self``.
+
+        Raises ``OSError`` when the address cannot be bound (e.g. the port is taken).
+        """
+        with self._lock:
+            if self._server is not None:
+                raise RuntimeError(f"catalog server on {self.address} is already started")
+            options = [
+                ("grpc.max_send_message_length", self._max_message_bytes),
+                ("grpc.max_receive_message_length", self._max_message_bytes),
+                # Without this, Linux lets a second server bind the same port and silently
+                # steal half of the connections.
+                ("grpc.so_reuseport", 0),
+            ]
+            interceptors: list[grpc.ServerInterceptor[Any, Any]] = (
+                [_BearerTokenInterceptor(self._token)] if self._token else []
+            )
+            server = grpc.server(
+                futures.ThreadPoolExecutor(
+                    max_workers=self._max_workers, thread_name_prefix="mx-refit-catalog"
+                ),
+                interceptors=interceptors,
+                options=options,
+            )
+            self._stopping.clear()
+            catalog_pb2_grpc.add_CatalogServiceServicer_to_server(  # type: ignore[no-untyped-call]
+                CatalogServicer(self.service, stopping=self._stopping), server
+            )
+            wanted = format_address(self.host, self._port)
+            try:
+                port = server.add_insecure_port(wanted)
+            except RuntimeError as exc:
+                raise OSError(f"cannot bind the catalog server to {wanted}: {exc}") from None
+            if port == 0:  # older grpc reports bind failures this way
+                raise OSError(f"cannot bind the catalog server to {wanted}")
+            self._port = port
+            server.start()
+            self._server = server
+            self._reaper = threading.Thread(
+                target=self._reap_loop, name="mx-refit-catalog-reaper", daemon=True
+            )
+            self._reaper.start()
+            logger.debug("catalog server listening on %s", self.address)
+            return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting calls, let in-flight ones finish for ``grace`` s, stop the reaper.
+
+        Idempotent.
+        """
+        with self._lock:
+            server, self._server = self._server, None
+            reaper, self._reaper = self._reaper, None
+        if server is None:
+            return
+        self._stopping.set()
+        server.stop(grace).wait()
+        if reaper is not None:
+            reaper.join()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Block until the server stops; True if it did within ``timeout``."""
+        server = self._server
+        return True if server is None else server.wait_for_termination(timeout)
+
+    def __enter__(self) -> CatalogServer:
+        return self if self._server is not None else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        running = "running" if self._server is not None else "stopped"
+        return f"CatalogServer({self.address}, {running}, token={'set' if self._token else 'none'})"
+
+    def _reap_loop(self) -> None:
+        # Event.wait, not sleep: stop() interrupts the loop at once.
+        while not self._stopping.wait(self._reap_interval_s):
+            try:
+                report = self.service.reap()
+            except Exception:  # keep reaping: one bad pass must not leave leases live forever
+                logger.exception("catalog reaper pass failed")
+                continue
+            if report.sources:
+                logger.warning(
+                    "catalog: sources %s missed their heartbeats; expired versions %s",
+                    list(report.sources),
+                    [f"{m}@{v}" for m, v in report.versions],
+                )
+            if report.leases:
+                logger.info("catalog: %d reader lease(s) expired", len(report.leases))
+
+
+def start_embedded(token: str | None = None, **kwargs: Any) -> CatalogServer:
+    """Start an in-process catalog on 127.0.0.1 and an ephemeral port; returns it running.
+
+    ``kwargs`` go to :class:`CatalogServer` (e.g. ``service=``). Stop it with ``.stop()``.
+    """
+    return CatalogServer(host="127.0.0.1", port=0, token=token, **kwargs).start()
+
+
+def serve_forever(
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    token: str | None = None,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    stop_event: threading.Event | None = None,
+    grace_s: float = 5.0,
+) -> None:
+    """Run a catalog server until SIGINT/SIGTERM (or ``stop_event``), then stop cleanly.
+
+    Binds loopback unless told otherwise and logs the address it serves on. Signal handlers
+    are installed only when called from the main thread, and restored on return.
+    """
+    stop = stop_event if stop_event is not None else threading.Event()
+    server = CatalogServer(host, port, token, max_message_bytes).start()
+    if host not in _LOOPBACK and token is None:
+        logger.warning(
+            "catalog on %s accepts unauthenticated calls from the network; set a token",
+            server.address,
+        )
+    logger.info("mx-refit catalog serving on %s", server.address)
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            logger.info("catalog: received %s, stopping", signal.Signals(signum).name)
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        stop.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        server.stop(grace_s)
+        logger.info("mx-refit catalog on %s stopped", server.address)

@@ -1,0 +1,285 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_REPLICATED: _ClassVar[Role]
+    ROLE_COLUMN: _ClassVar[Role]
+    ROLE_ROW: _ClassVar[Role]
+    ROLE_VOCAB_PARALLEL: _ClassVar[Role]
+    ROLE_QKV_COLUMN: _ClassVar[Role]
+    ROLE_GATED_MLP_COLUMN: _ClassVar[Role]
+    ROLE_EXPERT_COLUMN: _ClassVar[Role]
+    ROLE_EXPERT_ROW: _ClassVar[Role]
+
+class MemType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEM_TYPE_UNSPECIFIED: _ClassVar[MemType]
+    MEM_TYPE_DRAM: _ClassVar[MemType]
+    MEM_TYPE_VRAM: _ClassVar[MemType]
+
+class VersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERSION_STATE_UNSPECIFIED: _ClassVar[VersionState]
+    VERSION_STATE_PENDING: _ClassVar[VersionState]
+    VERSION_STATE_READY: _ClassVar[VersionState]
+    VERSION_STATE_DRAINING: _ClassVar[VersionState]
+    VERSION_STATE_RETIRED: _ClassVar[VersionState]
+    VERSION_STATE_EXPIRED: _ClassVar[VersionState]
+ROLE_UNSPECIFIED: Role
+ROLE_REPLICATED: Role
+ROLE_COLUMN: Role
+ROLE_ROW: Role
+ROLE_VOCAB_PARALLEL: Role
+ROLE_QKV_COLUMN: Role
+ROLE_GATED_MLP_COLUMN: Role
+ROLE_EXPERT_COLUMN: Role
+ROLE_EXPERT_ROW: Role
+MEM_TYPE_UNSPECIFIED: MemType
+MEM_TYPE_DRAM: MemType
+MEM_TYPE_VRAM: MemType
+VERSION_STATE_UNSPECIFIED: VersionState
+VERSION_STATE_PENDING: VersionState
+VERSION_STATE_READY: VersionState
+VERSION_STATE_DRAINING: VersionState
+VERSION_STATE_RETIRED: VersionState
+VERSION_STATE_EXPIRED: VersionState
+
+class MeshPosition(_message.Message):
+    __slots__ = ("tp_rank", "tp_size", "pp_rank", "pp_size", "ep_rank", "ep_size")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    ep_rank: int
+    ep_size: int
+    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ...) -> None: ...
+
+class TensorDescriptor(_message.Message):
+    __slots__ = ("name", "dtype", "global_shape", "local_shape", "addr", "nbytes", "role", "shard_axis", "shard_offset", "mem_type", "device_id", "extras_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_AXIS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    local_shape: _containers.RepeatedScalarFieldContainer[int]
+    addr: int
+    nbytes: int
+    role: Role
+    shard_axis: int
+    shard_offset: int
+    mem_type: MemType
+    device_id: int
+    extras_json: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
+
+class SourceInfo(_message.Message):
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    mesh: MeshPosition
+    agent_name: str
+    agent_metadata: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDescriptor]
+    ready: bool
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("model", "version", "state", "expected_sources", "sources", "sidecar_json")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_JSON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    state: VersionState
+    expected_sources: int
+    sources: _containers.RepeatedCompositeFieldContainer[SourceInfo]
+    sidecar_json: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ...) -> None: ...
+
+class VersionSummary(_message.Message):
+    __slots__ = ("model", "version", "state", "expected_sources", "registered_sources", "ready_sources", "leases")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    READY_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    state: VersionState
+    expected_sources: int
+    registered_sources: int
+    ready_sources: int
+    leases: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., registered_sources: _Optional[int] = ..., ready_sources: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+
+class RegisterSourceRequest(_message.Message):
+    __slots__ = ("model", "version", "expected_sources", "source", "sidecar_json", "ttl_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_JSON_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    expected_sources: int
+    source: SourceInfo
+    sidecar_json: str
+    ttl_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., expected_sources: _Optional[int] = ..., source: _Optional[_Union[SourceInfo, _Mapping]] = ..., sidecar_json: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RegisterSourceReply(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: VersionState
+    def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
+
+class MarkReadyRequest(_message.Message):
+    __slots__ = ("model", "version", "source_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    source_id: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., source_id: _Optional[str] = ...) -> None: ...
+
+class MarkReadyReply(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: VersionState
+    def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("source_ids", "lease_ids")
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    source_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetVersionRequest(_message.Message):
+    __slots__ = ("model", "version", "min_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    min_version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+
+class GetVersionReply(_message.Message):
+    __slots__ = ("version_info",)
+    VERSION_INFO_FIELD_NUMBER: _ClassVar[int]
+    version_info: VersionInfo
+    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListVersionsReply(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionSummary]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionSummary, _Mapping]]] = ...) -> None: ...
+
+class AcquireLeaseRequest(_message.Message):
+    __slots__ = ("model", "version", "reader_id", "ttl_s", "lease_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    READER_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    reader_id: str
+    ttl_s: float
+    lease_id: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., reader_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class AcquireLeaseReply(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RetireVersionRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class RetireVersionReply(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: VersionState
+    def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
+
+class WaitDrainedRequest(_message.Message):
+    __slots__ = ("model", "version", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitDrainedReply(_message.Message):
+    __slots__ = ("drained",)
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    def __init__(self, drained: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,73 @@
+"""Generated code is current, and the catalog package imports lazily."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gen_protos.py"
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_protos_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "core" / "src"))
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+
+
+def test_gen_protos_check_passes_on_the_committed_files() -> None:
+    result = run_python(str(SCRIPT), "--check")
+    assert result.returncode == 0, result.stderr
+    assert "current" in result.stdout
+
+
+def test_gen_protos_check_detects_a_stale_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = load_script()
+    package = tmp_path / "mx_refit" / "catalog" / "v1"
+    shutil.copytree(REPO / "core" / "src" / "mx_refit" / "catalog" / "v1", package)
+    stale = package / "catalog_pb2_grpc.py"
+    stale.write_text(stale.read_text() + "\n# hand edit\n")
+    monkeypatch.setattr(script, "SRC", tmp_path)
+    assert script.check() == ["mx_refit/catalog/v1/catalog_pb2_grpc.py"]
+    (package / "catalog_pb2.pyi").unlink()
+    assert script.main(["--check"]) == 1
+
+
+def test_importing_the_catalog_does_not_import_grpc_or_protobuf() -> None:
+    code = (
+        "import sys, mx_refit.catalog as c\n"
+        "from mx_refit.catalog import Catalog, CatalogLimits, CatalogService, VersionSummary\n"
+        "CatalogService().list_versions('m')\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google'))\n"
+        "assert not heavy, heavy\n"
+        "from mx_refit.catalog import CatalogClient\n"
+        "assert 'grpc' in sys.modules\n"
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_unknown_attribute_of_the_package_is_an_attribute_error() -> None:
+    from mx_refit import catalog
+
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        catalog.Nope  # noqa: B018
+    assert set(catalog.__all__) <= set(dir(catalog))
