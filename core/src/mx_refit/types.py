@@ -197,6 +197,7 @@ class RefitStats:
     seconds: float
     new_registrations: int
     sources: int
+    plan_seconds: float = 0.0  # planning + coalescing; ~0 once the layout is cached
 
     @property
     def gbps(self) -> float:

@@ -53,7 +53,7 @@ _PERMANENT_ERRORS = {
     "nixlNotFoundError", "nixlInvalidParamError", "nixlNotSupportedError", "nixlMismatchError"
 }
 _POLL_MIN_S = 0.0002
-_POLL_MAX_S = 0.005
+_POLL_MAX_S = 0.001  # caps completion-detection lag at 1 ms (0.3% of an 8 GiB NVLink pull)
 _BACKOFF_MAX_S = 1.0
 
 
@@ -517,7 +517,7 @@ class NixlTransport:
                     self._schedule_retry(job)
                     progressed = True
             if pending:
-                # Never busy-spin: back off from 0.2 ms to 5 ms while nothing completes.
+                # Never busy-spin: back off from 0.2 ms to 1 ms while nothing completes.
                 sleep_s = _POLL_MIN_S if progressed else min(sleep_s * 2, _POLL_MAX_S)
                 time.sleep(sleep_s)
         return failed
