@@ -107,7 +107,9 @@ def receiver_proc(address: str, device: str, cmd_q, res_q) -> None:
             if cmd == "stop":
                 break
             rec = receivers.get(case) or receivers.setdefault(case, Receiver(address, f"bench-{case}", device=dev))
+            started = time.perf_counter()
             result = rec.refit(version, wait_s=30)
+            wall = time.perf_counter() - started
             # Byte check of everything received (on the device: cheap).
             total = sum(t.numel() for _, t in result.tensors)
             expected = torch.empty(total, dtype=torch.uint8, device=dev)
@@ -116,7 +118,8 @@ def receiver_proc(address: str, device: str, cmd_q, res_q) -> None:
             s = result.stats
             res_q.put(("pulled", {"seconds": s.seconds, "gbps": s.gbps, "bytes": s.bytes_pulled,
                                   "descriptors": s.descriptors, "new_registrations": s.new_registrations,
-                                  "tensors": s.tensors, "identical": bool(torch.equal(got, expected))}))
+                                  "tensors": s.tensors, "plan_s": s.plan_seconds, "refit_wall_s": wall,
+                                  "identical": bool(torch.equal(got, expected))}))
         for rec in receivers.values():
             rec.close()
     except BaseException as exc:
@@ -257,7 +260,9 @@ def main() -> int:
                 cycles.append({**pulled, **published})
                 print(f"{case} cycle {version}: {pulled['bytes'] / 2**30:.2f} GiB in {pulled['seconds'] * 1e3:.1f} ms "
                       f"= {pulled['gbps']:.1f} GB/s, {pulled['descriptors']} descriptors, "
-                      f"new registrations {pulled['new_registrations']}, identical={pulled['identical']}", flush=True)
+                      f"new registrations {pulled['new_registrations']}, identical={pulled['identical']}; whole refit "
+                      f"(discover, plan, lease, pull, release, materialize) {pulled['refit_wall_s'] * 1e3:.1f} ms",
+                      flush=True)
             results["cases"][case] = {"tensors": len(sizes), "bytes": sum(sizes), "cycles": cycles}
     finally:
         src_q.put(("stop", None, 0)); rec_q.put(("stop", None, 0))
