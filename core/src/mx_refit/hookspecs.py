@@ -17,6 +17,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover - types only
     import torch
 
+    from mx_refit.layout.classify import RoleOverrides
     from mx_refit.plan import ReceivePlan
     from mx_refit.types import (
         MeshPosition,
@@ -88,7 +89,9 @@ def mx_refit_register_role_overrides(register: RegisterRoleOverride) -> None:
 
 
 @hookspec(firstresult=True)
-def mx_refit_collect_tensors(model: Any, mesh: "MeshPosition") -> "list[PublishedTensor] | None":
+def mx_refit_collect_tensors(
+    model: Any, mesh: "MeshPosition", overrides: "RoleOverrides"
+) -> "list[PublishedTensor] | None":
     """Describe the local tensors this rank publishes, with their roles and shard geometry.
 
     Implementations return ``None`` for model objects they do not recognise. The tensors must
@@ -97,6 +100,9 @@ def mx_refit_collect_tensors(model: Any, mesh: "MeshPosition") -> "list[Publishe
     :param model: The framework's model object on this rank (a Megatron ``MegatronModule`` list,
         a ``torch.nn.Module``, a ``{name: tensor}`` mapping, ...).
     :param mesh: This rank's TP/PP/EP position.
+    :param overrides: The role overrides registered through
+        :func:`mx_refit_register_role_overrides` and the ``role_overrides`` setting; classifiers
+        must let them win over detection.
     :return: The tensors to publish, or ``None`` to let the next plugin try.
     Stops at the first non-``None`` result (``firstresult``); the built-in mapping/module
     collector runs last.

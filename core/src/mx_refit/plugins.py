@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from mx_refit.hookspecs import RegisterRoleOverride
+    from mx_refit.layout.classify import RoleOverrides
     from mx_refit.plan import ReceivePlan
     from mx_refit.types import MeshPosition, PublishedTensor, RefitStats, TargetLayout, VersionInfo
 
@@ -114,6 +115,8 @@ class Hooks:
         self._load = load
         self._loaded = pm is not None and not load
         self._lock = threading.Lock()
+        self._settings: dict[str, Any] = {}
+        self._overrides: "RoleOverrides | None" = None
 
     @property
     def pm(self) -> pluggy.PluginManager:
@@ -137,14 +140,28 @@ class Hooks:
 
     # -- configuration ------------------------------------------------------------------------
     def configure(self, settings: dict[str, Any]) -> None:
+        self._settings = dict(settings)
+        self._overrides = None
         self.pm.hook.mx_refit_configure.call_historic(kwargs={"settings": dict(settings)})
+
+    def role_overrides(self) -> "RoleOverrides":
+        """Overrides from plugins, then from the ``role_overrides`` setting (config wins);
+        built once per configuration."""
+        if self._overrides is None:
+            from mx_refit.layout.classify import RoleOverrides
+
+            registry = RoleOverrides()
+            self.register_role_overrides(registry.register)
+            registry.extend_from_config(self._settings.get("role_overrides") or ())
+            self._overrides = registry
+        return self._overrides
 
     def register_role_overrides(self, register: "RegisterRoleOverride") -> None:
         self.pm.hook.mx_refit_register_role_overrides(register=register)
 
     # -- trainer side ---------------------------------------------------------------------------
     def collect_tensors(self, model: Any, mesh: "MeshPosition") -> "list[PublishedTensor]":
-        tensors = self.pm.hook.mx_refit_collect_tensors(model=model, mesh=mesh)
+        tensors = self.pm.hook.mx_refit_collect_tensors(model=model, mesh=mesh, overrides=self.role_overrides())
         if tensors is None:
             raise TypeError(
                 f"no mx-refit plugin can collect tensors from a {type(model).__module__}.{type(model).__qualname__}; "

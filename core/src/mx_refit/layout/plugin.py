@@ -1,19 +1,74 @@
-"""Built-in Megatron plugin: plans receives for versions published by Megatron-Core ranks.
+"""Built-in Megatron plugin: publishes Megatron-Core ranks' native shards and plans receives
+for versions they published.
 
-Kept import-light: the planner (and torch) load only when a Megatron version is planned.
+Kept import-light: the classifier, the planner (and torch) load only when a Megatron model is
+published or a Megatron version is planned.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mx_refit import hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.layout.classify import RoleOverrides
     from mx_refit.plan import ReceivePlan
-    from mx_refit.types import TargetLayout, VersionInfo
+    from mx_refit.types import MeshPosition, PublishedTensor, TargetLayout, VersionInfo
 
 MEGATRON_CONFIG_KEY = "megatron.config"
+
+
+def _conversion_tasks(model: Any) -> list[Any]:
+    """Bridge's conversion tasks, computed once per model: computing them is a PP collective and
+    the model's structure does not change between steps."""
+    tasks = getattr(model, "_mx_refit_tasks", None)
+    if tasks is None:
+        from mx_refit.layout.sidecar import conversion_tasks
+
+        tasks = conversion_tasks(model.bridge, model.model)
+        model._mx_refit_tasks = tasks
+    return tasks
+
+
+def _megatron_chunks(model: Any) -> list[Any] | None:
+    """The model chunks when ``model`` is a Megatron-Core module (or a list of them)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if chunks and all(type(c).__module__.startswith("megatron.") for c in chunks):
+        return chunks
+    return None
+
+
+@hookimpl
+def mx_refit_collect_tensors(
+    model: Any, mesh: "MeshPosition", overrides: "RoleOverrides"
+) -> "list[PublishedTensor] | None":
+    """A ``BridgedModel`` is classified with Megatron-Bridge's mappings; a bare Megatron-Core
+    model with its own parallel attributes."""
+    from mx_refit.layout.megatron import BridgedModel
+
+    if isinstance(model, BridgedModel):
+        from mx_refit.layout.collect import collect_megatron_tensors
+
+        return collect_megatron_tensors(model.model, overrides, tasks=_conversion_tasks(model))
+    chunks = _megatron_chunks(model)
+    if chunks is None:
+        return None
+    from mx_refit.layout.collect import collect_megatron_tensors
+
+    return collect_megatron_tensors(chunks, overrides)
+
+
+@hookimpl
+def mx_refit_build_sidecar(model: Any, mesh: "MeshPosition") -> dict[str, Any] | None:
+    """Transformer config and the Megatron->HF name map, from Megatron-Bridge's conversion tasks."""
+    from mx_refit.layout.megatron import BridgedModel
+
+    if not isinstance(model, BridgedModel):
+        return None
+    from mx_refit.layout.sidecar import build_sidecar
+
+    return build_sidecar(model.bridge, model.model, model.hf_config, tasks=_conversion_tasks(model))
 
 
 @hookimpl
