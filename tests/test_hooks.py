@@ -54,6 +54,14 @@ def test_hook_mx_refit_register_role_overrides():
     assert {"role": Role.ROW, "pattern": "decoder.*.my_proj.weight"} in rules
     assert {"role": "column", "module_class": "MyColumnLinear", "shard_axis": 0} in rules
 
+    # The registry classifiers receive: plugin rules, then the config's (which win).
+    registry = hooks.role_overrides()
+    assert registry.lookup("decoder.layers.3.my_proj.weight", "Linear").role is Role.ROW
+    assert registry.lookup("decoder.layers.3.other.weight", "MyColumnLinear").role is Role.COLUMN
+    assert registry.lookup("decoder.layers.3.other.weight", "Linear") is None
+    hooks.configure({"role_overrides": [{"role": "replicated", "pattern": "decoder.*.my_proj.weight"}]})
+    assert hooks.role_overrides().lookup("decoder.layers.3.my_proj.weight", "Linear").role is Role.REPLICATED
+
 
 def test_hook_mx_refit_collect_tensors(pair):
     hooks, pub, rec = pair

@@ -145,7 +145,7 @@ def test_sticky_replicas_coalesce_reads() -> None:
     sticky = plan_receive(published.version, TargetLayout())
     assert 3 * len(sticky.reads) < 2 * len(balanced.reads)
     check(sticky, published, spec, TargetLayout())
-    pieces = sum(len(tpl.pieces) for _, tpl, _, _ in sticky._entries)
+    pieces = sum(len(entry[1].pieces) for entry in sticky._entries)
     assert 2 * len(sticky.reads) < pieces
 
 

@@ -184,6 +184,17 @@ class RoleOverrides:
         registry.extend_from_config(entries)
         return registry
 
+    @classmethod
+    def from_plugins(cls, hooks: Any = None, config: Iterable[Mapping[str, Any]] = ()) -> RoleOverrides:
+        """Overrides registered by plugins (``mx_refit_register_role_overrides``), then ``config``
+        entries (registered later, so config wins over plugins)."""
+        from mx_refit.plugins import Hooks
+
+        registry = cls()
+        (hooks or Hooks()).register_role_overrides(registry.register)
+        registry.extend_from_config(config)
+        return registry
+
     def lookup(self, name: str, module_class: str) -> RoleOverride | None:
         """The winning override for a published name / owning class, or ``None``."""
         by_class: RoleOverride | None = None

@@ -22,9 +22,11 @@ MoE sets expert TP to 1; with EP == 1 experts are TP-sliced like a dense MLP.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mx_refit.errors import CoverageError, InvalidArgument
@@ -37,9 +39,23 @@ from mx_refit.layout.bands import (
     split_window,
     vocab_window,
 )
+from mx_refit.layout.manifest import (
+    CONFIG_KEY,
+    HF_MAP_KEY,
+    MegatronConfig,
+    Slot,
+    check_target,
+    expert_family,
+    hf_names,
+    group_sources,
+    layer_of,
+    merge_replicas,
+    parse_expert_id,
+    split_slots,
+)
 from mx_refit.layout.templates import Template, columns_template, rows_template
 from mx_refit.layout.translate import place_column_blocks
-from mx_refit.types import DTYPE_SIZES, ReadOp, Role, TargetLayout, TensorDescriptor, VersionInfo
+from mx_refit.types import ReadOp, Role, TargetLayout, TensorDescriptor, VersionInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -54,52 +70,16 @@ __all__ = [
     "plan_receive",
 ]
 
-CONFIG_KEY = "megatron.config"
-HF_MAP_KEY = "megatron.hf_map"
-REGION_ALIGN = 16  # region alignment: dtype-safe views; small enough that packed sources stay adjacent
-STICKY_BYTES = 64 << 20  # replica stickiness: long same-source runs coalesce into few descriptors
+STICKY_BYTES = 64 << 20  # replica round-robin chunk (by address): neighbours coalesce
 
-_EXPERT_ROLES = (Role.EXPERT_COLUMN, Role.EXPERT_ROW)
+_EXPERT_COLUMN, _EXPERT_ROW = Role.EXPERT_COLUMN, Role.EXPERT_ROW
+_COLUMN, _REPLICATED, _VOCAB = Role.COLUMN, Role.REPLICATED, Role.VOCAB_PARALLEL
+_EXPERT_ROLES = (_EXPERT_COLUMN, _EXPERT_ROW)
 _VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
 _IDENTITY, _QKV, _GATED = 1, 3, 2  # transform kinds = number of HF outputs
-_NAME = attrgetter("name")
+_SIG = attrgetter("role", "global_shape", "dtype", "shard_axis", "local_shape")  # family key, C-level
+_ADDR = attrgetter("addr")
 _EXPECTED_OUTPUTS = {Role.QKV_COLUMN: _QKV, Role.GATED_MLP_COLUMN: _GATED, Role.EXPERT_COLUMN: _GATED}
-
-
-@dataclass(frozen=True)
-class MegatronConfig:
-    """The parts of the ``megatron.config`` sidecar the planner needs."""
-
-    num_layers: int
-    num_heads: int
-    num_groups: int
-    head_dim: int
-    num_moe_experts: int = 0
-    vocab_size: int | None = None
-    padded_vocab_size: int | None = None
-    tie_word_embeddings: bool = False
-
-    @classmethod
-    def from_sidecar(cls, sidecar: Mapping[str, Any]) -> "MegatronConfig":
-        raw = sidecar.get(CONFIG_KEY)
-        if not isinstance(raw, Mapping):
-            raise InvalidArgument(f"sidecar[{CONFIG_KEY!r}]: expected a mapping, got {type(raw).__name__}")
-        try:
-            heads = int(raw["num_attention_heads"])
-            groups = int(raw.get("num_query_groups") or heads)
-            head_dim = int(raw.get("kv_channels") or int(raw["hidden_size"]) // heads)
-            return cls(
-                num_layers=int(raw.get("num_layers") or 0),
-                num_heads=heads,
-                num_groups=groups,
-                head_dim=head_dim,
-                num_moe_experts=int(raw.get("num_moe_experts") or 0),
-                vocab_size=int(raw["vocab_size"]) if raw.get("vocab_size") else None,
-                padded_vocab_size=int(raw["padded_vocab_size"]) if raw.get("padded_vocab_size") else None,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            )
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-            raise InvalidArgument(f"sidecar[{CONFIG_KEY!r}]: {exc!r} in {dict(raw)!r}") from exc
 
 
 class TensorSpec(NamedTuple):
@@ -113,8 +93,9 @@ class TensorSpec(NamedTuple):
     copies: int  # staged blocks placed with a local strided copy (0: a pure view)
 
 
-# One Megatron tensor in the plan: arena base of its region, template, HF names, dtype.
-_Entry = tuple[int, Template, list[str], str]
+# One Megatron tensor in the plan: [arena base of its region, template, HF names, dtype, role,
+# (source id, descriptor address) per shard slot]. A list: the base is set in the second pass.
+_Entry = list[Any]
 
 
 @dataclass
@@ -141,7 +122,8 @@ class MegatronReceivePlan:
     def tensor_specs(self) -> Iterator[TensorSpec]:
         """Every output's arena placement, without touching memory (bookkeeping, verify)."""
         make = TensorSpec._make
-        for base, tpl, names, dtype in self._entries:
+        for entry in self._entries:
+            base, tpl, names, dtype = entry[0], entry[1], entry[2], entry[3]
             for name, out in zip(names, tpl.outs):
                 yield make((name, base + out.rel, out.nbytes, out.shape, dtype, len(out.copies)))
 
@@ -160,7 +142,8 @@ class MegatronReceivePlan:
             )
         dtypes: dict[str, torch.dtype] = {}
         origin = arena.storage_offset()
-        for base, tpl, names, dtype in self._entries:
+        for entry in self._entries:
+            base, tpl, names, dtype = entry[0], entry[1], entry[2], entry[3]
             tdtype = dtypes.get(dtype)
             if tdtype is None:
                 tdtype = dtypes[dtype] = getattr(torch, dtype)
@@ -194,20 +177,16 @@ def plan_receive(
     :param row_slice_options: keyword arguments for
         :func:`mx_refit.transport.ranges.plan_row_slice` (cost constants, ``force``) used for
         row-parallel column sub-blocks (target TP wider than source TP).
-    :param sticky_bytes: a shard with replicas keeps being read from the replica used last until
-        that replica is this many bytes ahead of the least-loaded one (long same-source runs
-        coalesce into few descriptors; 0 balances every tensor).
+    :param sticky_bytes: replicas of a shard (replicated tensors, EP replicas of dense shards,
+        experts under expert-data-parallelism) are dealt round robin by address chunks of this
+        many bytes, so neighbouring tensors come from one source and coalesce into few
+        descriptors while the load still spreads; 0 alternates tensor by tensor. The deal is
+        rotated by the receiver's rank so workers start on different sources.
     :raises CoverageError: some needed range is published by no source (lists all of them).
     :raises InvalidArgument: a malformed sidecar, an inconsistent descriptor or an unsupported
         target (e.g. a TP size that does not divide the heads).
     """
     return _Planner(version, target, row_slice_options, sticky_bytes).run()
-
-
-# A shard slot's candidates: parallel tuples of source ids and their descriptors.
-_Slot = tuple[tuple[str, ...], tuple[TensorDescriptor, ...]]
-# Pass-1 result per tensor: template, (source, addr) per slot, HF names, dtype, role.
-_Planned = tuple[Template, list[tuple[str, int] | None], list[str], str, Role]
 
 
 class _Planner:
@@ -227,147 +206,265 @@ class _Planner:
         self.hf_map: Mapping[str, Any] = hf_map
         self.row_slice_options = row_slice_options
         self.sticky_bytes = sticky_bytes
-        _check_target(target, self.cfg)
+        check_target(target, self.cfg)
         n_experts = self.cfg.num_moe_experts
-        if n_experts:
-            per = n_experts // target.ep_size
-            self.owned = (target.ep_rank * per, (target.ep_rank + 1) * per)
-        else:
-            self.owned = (0, 0)
-        # Rotate first picks by receiver so workers start on different replicas of a shard.
-        self.rotation = target.ep_rank * target.tp_size + target.tp_rank
+        per = n_experts // target.ep_size if n_experts else 0
+        self.owned = (target.ep_rank * per, (target.ep_rank + 1) * per)
         self.templates: dict[tuple[Any, ...], Template] = {}
-        self.load: dict[str, int] = {s.source_id: 0 for s in version.sources}
-        self.current: dict[tuple[str, ...], int] = {}  # replica set -> index read from last
+        self.template_roles: dict[int, Role] = {}  # id(template) -> role, for bytes_by_role
         self.gaps: list[tuple[str, str]] = []
-        self.expert_families: dict[str, int] = {}  # "name with id removed" -> 0
+        self.expert_families: dict[str, int] = {}  # "name with id {E}" -> 0, learned from one id
         self.experts_seen = 0
+        # Set by run(): source ranks, receiver rotation, replica round-robin state, results.
+        self.order: dict[str, int] = {}
+        self.rotation = 0
+        self.replica_state: dict[tuple[str, ...], list[int]] = {}
+        self.entries: list[_Entry] = []
+        self.keys: list[int] = []
+        self.produced: set[str] = set()
 
     # -- driver ----------------------------------------------------------------------------------
     def run(self) -> MegatronReceivePlan:
-        index = _index(self.version)
-        order = {s.source_id: i for i, s in enumerate(sorted(self.version.sources, key=lambda s: s.source_id))}
-        # Pass 1, in name-map order: template and one source per needed slot, per tensor.
-        planned: list[_Planned] = []
-        keys: list[int] = []
-        produced: set[str] = set()
-        lo_owned, hi_owned = self.owned
-        load, templates = self.load, self.templates
-        current, rotation, sticky = self.current, self.rotation, self.sticky_bytes
-        for mname, entry in self.hf_map.items():
-            pairs = index.get(mname)
-            names = entry.get("hf") if type(entry) is dict else None
-            if type(names) is not list:
-                names = _hf_names(mname, entry)  # validates, or raises naming the entry
-            if pairs is None:
-                self._missing(mname, names)
-                continue
-            first = pairs[0][1][0]
-            role = first.role
-            if role is Role.EXPERT_COLUMN or role is Role.EXPERT_ROW:
-                eid = first.extras.get("expert_id")
-                if eid is None:
-                    eid = _parse_expert_id(mname)
-                if not lo_owned <= eid < hi_owned:
-                    continue
-                self.experts_seen += 1
-                if eid == lo_owned:
-                    self.expert_families[_expert_family(mname)] = 0
-            before = len(produced)
-            produced.update(names)
-            if len(produced) - before != len(names):
-                if before == len(produced):
-                    continue  # every name already received (e.g. a tied output layer)
-                raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: HF names {names} partly produced twice")
-
-            if first.shard_axis < 0:
-                # Unsplit: one slot, every holder a replica.
-                slots = [pairs[0] if len(pairs) == 1 else _merge(pairs)]
-                geometry: tuple[Any, ...] = ((0, first.local_shape),)
-            else:
-                slots, geometry = _split_slots(pairs)
-            vocab_like = role is Role.VOCAB_PARALLEL or (
-                (role is Role.COLUMN or role is Role.REPLICATED) and mname.endswith(_VOCAB_SUFFIXES)
-            )
-            key = (len(names), role, first.global_shape, first.dtype, first.shard_axis, geometry, vocab_like,
-                   first.extras.get("tp_size") if first.shard_axis >= 0 else None)
-            tpl = templates.get(key)
-            if tpl is None:
-                tpl = templates[key] = self._build_checked(mname, len(names), first, geometry, vocab_like)
-            if tpl.gaps:
-                self.gaps.extend((names[j], text) for j, text in tpl.gaps)
-            chosen: list[tuple[str, int] | None] = [None] * len(slots)
-            sort_key = -1
-            for s, need in enumerate(tpl.slot_bytes):
-                if need:
-                    sids, descs = slots[s]
-                    j = 0
-                    if len(sids) > 1:
-                        # Sticky replica choice (inlined: this runs for every replicated tensor).
-                        j = current.get(sids, rotation % len(sids))
-                        least = min(map(load.__getitem__, sids))
-                        if load[sids[j]] - least > sticky:
-                            j = list(map(load.__getitem__, sids)).index(least)
-                        current[sids] = j
-                    load[sids[j]] += need
-                    chosen[s] = (sids[j], descs[j].addr)
-                    if sort_key < 0:
-                        sort_key = (order[sids[j]] << 64) + descs[j].addr
-            planned.append((tpl, chosen, names, first.dtype, role))
-            keys.append(sort_key)
+        """Pass 1: a template and one source per needed slot for every tensor the target needs;
+        then the coverage gate; then pass 2 lays out the arena and the reads."""
+        version, hf_map = self.version, self.hf_map
+        groups = group_sources(version)
+        held = Counter(chain.from_iterable(names for names, _, _ in groups))  # name -> groups holding it
+        self.order = {sid: i for i, sid in enumerate(sorted(s.source_id for s in version.sources))}
+        self.rotation = self.target.ep_rank * self.target.tp_size + self.target.tp_rank
+        self.replica_state: dict[tuple[str, ...], list[int]] = {}
+        self.entries: list[_Entry] = []
+        self.keys: list[int] = []  # arena order: (source rank, remote address) of each tensor
+        self.produced: set[str] = set()
+        general: dict[str, list[Slot]] = {}  # names planned one by one, with their (sids, descs)
+        for names, members, sids in groups:
+            self._plan_group(names, members, sids, held, general)
+        for mname, pairs in general.items():
+            self._plan_one(mname, hf_map[mname], pairs)
+        missing = set(hf_map).difference(held)
+        if missing:
+            for mname in hf_map:  # name-map order, for a readable error
+                if mname in missing:
+                    self._missing(mname, hf_names(mname, hf_map[mname]))
 
         self._structural_gaps()
         if self.gaps:
             listed = "; ".join(f"{name}: {where}" for name, where in self.gaps)
             raise CoverageError(
-                f"version {self.version.version} of {self.version.model!r} cannot cover {len(self.gaps)} "
+                f"version {version.version} of {version.model!r} cannot cover {len(self.gaps)} "
                 f"needed range(s) for target {self.target}: {listed}",
                 gaps=list(self.gaps),
             )
-        return self._layout(planned, keys, sorted(set(index).difference(self.hf_map)))
+        return self._layout(self.entries, self.keys, sorted(set(held).difference(hf_map)))
 
-    def _layout(
+    def _plan_group(
         self,
-        planned: list[_Planned],
-        keys: list[int],
-        unmapped: list[str],
-    ) -> MegatronReceivePlan:
-        """Pass 2: arena regions in (source, remote address) order so consecutive tensors of one
-        source are adjacent on both sides, and reads that touch on both sides merge."""
-        bases = [0] * len(planned)
+        names: tuple[str, ...],
+        members: list[Any],
+        sids: tuple[str, ...],
+        held: Counter[str],
+        general: dict[str, list[Slot]],
+    ) -> None:
+        """Plan one group of sources that publish the same names in the same order.
+
+        Unsplit tensors that only this group holds (experts, and every replicated tensor of a
+        single-EP job) are planned a whole family at a time: same geometry, same replicas, so
+        one template, vectorised source choice and C-level address extraction. The rest (TP
+        shards, tensors several groups hold) are collected for :meth:`_plan_one`.
+        """
+        hf_map = self.hf_map
+        first_tensors = members[0].tensors
+        entries = list(map(hf_map.get, names))
+        families: dict[tuple[Any, ...], list[int]] = {}
+        for i, sig in enumerate(map(_SIG, first_tensors)):
+            if entries[i] is None:
+                continue  # not in the name map: reported as unmapped
+            if sig[3] >= 0 or held[names[i]] > 1:
+                general.setdefault(names[i], []).append((sids, tuple(m.tensors[i] for m in members)))
+                continue
+            family = families.get(sig)
+            if family is None:
+                families[sig] = family = []
+            family.append(i)
+        addrs: list[list[int]] = []  # per member, C-level, built on first need
+        for sig, positions in families.items():
+            if not addrs:
+                addrs = [list(map(_ADDR, m.tensors)) for m in members]
+            self._plan_family(sig, positions, names, entries, first_tensors, sids, members, addrs)
+
+    def _plan_family(
+        self,
+        sig: tuple[Any, ...],
+        positions: list[int],
+        names: tuple[str, ...],
+        entries: list[Any],
+        first_tensors: tuple[TensorDescriptor, ...],
+        sids: tuple[str, ...],
+        members: list[Any],
+        addrs: list[list[int]],
+    ) -> None:
+        role, gshape, dtype, _, lshape = sig
+        if role is _EXPERT_COLUMN or role is _EXPERT_ROW:
+            eids = [first_tensors[i].extras.get("expert_id") for i in positions]
+            if None in eids:
+                eids = [parse_expert_id(names[i]) if e is None else e for e, i in zip(eids, positions)]
+            lo, hi = self.owned
+            for i, e in zip(positions, eids):
+                if e == lo:
+                    self.expert_families[expert_family(names[i])] = 0
+            positions = [i for i, e in zip(positions, eids) if lo <= e < hi]
+            self.experts_seen += len(positions)
+            vocab_flags = [False]
+        elif role is _VOCAB:
+            vocab_flags = [True]
+        else:
+            vocab_flags = [names[i].endswith(_VOCAB_SUFFIXES) for i in positions]
+        hf = [entries[i].get("hf") if type(entries[i]) is dict else None for i in positions]
+        flat = list(chain.from_iterable(x for x in hf if type(x) is list))
+        kinds = set(map(len, hf)) if all(type(x) is list for x in hf) else set()
+        if (
+            not positions
+            or len(kinds) != 1
+            or len(set(vocab_flags)) != 1
+            or len(set(flat)) != len(flat)
+            or not self.produced.isdisjoint(flat)
+        ):
+            # Unusual family (mixed mappings, duplicate names, bad entries): one by one.
+            for i in positions:
+                self._plan_one(names[i], entries[i], [(sids, tuple(m.tensors[i] for m in members))])
+            return
+        self.produced.update(flat)
+        (kind,) = kinds
+        vocab_like = vocab_flags[0]
+        key = (kind, role, gshape, dtype, -1, lshape, vocab_like)
+        tpl = self.templates.get(key)
+        if tpl is None:
+            first = first_tensors[positions[0]]
+            tpl = self._build_checked(names[positions[0]], kind, first, ((0, tuple(lshape)),), vocab_like)
+            self.templates[key] = tpl
+            self.template_roles[id(tpl)] = role
+        if tpl.gaps:  # an unsplit tensor covers itself; only a malformed geometry gets here
+            for i, names_i in zip(positions, hf):
+                self.gaps.extend((names_i[j], text) for j, text in tpl.gaps)
+        # Replica per tensor (see _replica), vectorised over the family.
+        n = len(sids)
+        if n == 1:
+            picks = [0] * len(positions)
+        elif self.sticky_bytes:
+            chunk, rot, first_addrs = self.sticky_bytes, self.rotation, addrs[0]
+            picks = [(rot + first_addrs[i] // chunk) % n for i in positions]
+        else:
+            state = self.replica_state.setdefault(sids, [0])
+            start = self.rotation + state[0]
+            picks = [(start + k) % n for k in range(len(positions))]
+            state[0] += len(positions)
+        order = self.order
+        rank = [order[sid] << 64 for sid in sids]
+        append_entry, append_key = self.entries.append, self.keys.append
+        for i, names_i, j in zip(positions, hf, picks):
+            addr = addrs[j][i]
+            append_entry([0, tpl, names_i, dtype, role, ((sids[j], addr),)])
+            append_key(rank[j] + addr)
+
+    def _replica(self, sids: tuple[str, ...], first_addr: int) -> int:
+        """Which replica of a shard to read. The first replica's address space is cut into
+        ``sticky_bytes`` chunks dealt round robin over the replicas: tensors that sit next to each
+        other come from one source (their reads coalesce) while the load spreads evenly. With
+        ``sticky_bytes == 0`` replicas alternate tensor by tensor. The deal is rotated by the
+        receiver's rank so workers start on different sources."""
+        if self.sticky_bytes:
+            return (self.rotation + first_addr // self.sticky_bytes) % len(sids)
+        state = self.replica_state.setdefault(sids, [0])
+        state[0] += 1
+        return (self.rotation + state[0] - 1) % len(sids)
+
+    def _plan_one(self, mname: str, entry: Any, pairs: list[Slot]) -> None:
+        """The general path: one Megatron tensor, any shard geometry, replicas in any groups."""
+        names = entry.get("hf") if type(entry) is dict else None
+        if type(names) is not list:
+            names = hf_names(mname, entry)  # validates, or raises naming the entry
+        first = pairs[0][1][0]
+        role = first.role
+        vocab_like = False
+        if role is _EXPERT_COLUMN or role is _EXPERT_ROW:
+            eid = first.extras.get("expert_id")
+            if eid is None:
+                eid = parse_expert_id(mname)
+            if not self.owned[0] <= eid < self.owned[1]:
+                return  # another EP rank's expert
+            self.experts_seen += 1
+            if eid == self.owned[0]:
+                self.expert_families[expert_family(mname)] = 0
+        else:
+            vocab_like = role is _VOCAB or ((role is _COLUMN or role is _REPLICATED) and mname.endswith(_VOCAB_SUFFIXES))
+        produced = self.produced
+        if not produced.isdisjoint(names):
+            if produced.issuperset(names):
+                return  # every name already received (e.g. a tied output layer)
+            raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: HF names {names} partly produced twice")
+        produced.update(names)
+        axis = first.shard_axis
+        if axis < 0:  # unsplit: one slot whose candidates are all replicas
+            slots = [pairs[0] if len(pairs) == 1 else merge_replicas(pairs)]
+            geometry: tuple[Any, ...] = ((0, tuple(first.local_shape)),)
+            key: tuple[Any, ...] = (len(names), role, first.global_shape, first.dtype, -1, first.local_shape,
+                                    vocab_like)
+        else:
+            slots, geometry = split_slots(pairs)
+            key = (len(names), role, first.global_shape, first.dtype, axis, geometry, vocab_like,
+                   first.extras.get("tp_size"))
+        tpl = self.templates.get(key)
+        if tpl is None:
+            tpl = self.templates[key] = self._build_checked(mname, len(names), first, geometry, vocab_like)
+            self.template_roles[id(tpl)] = role
+        if tpl.gaps:
+            self.gaps.extend((names[j], text) for j, text in tpl.gaps)
+        chosen: list[tuple[str, int] | None] = [None] * len(slots)
+        sort_key = -1
+        for s, need in enumerate(tpl.slot_bytes):
+            if need:
+                sids, descs = slots[s]
+                j = self._replica(sids, descs[0].addr) if len(sids) > 1 else 0
+                chosen[s] = (sids[j], descs[j].addr)
+                if sort_key < 0:
+                    sort_key = (self.order[sids[j]] << 64) + descs[j].addr
+        self.entries.append([0, tpl, names, first.dtype, role, chosen])
+        self.keys.append(sort_key)
+
+    def _layout(self, entries: list[_Entry], keys: list[int], unmapped: list[str]) -> MegatronReceivePlan:
+        """Pass 2: arena regions in (source, remote address) order, so consecutive tensors of one
+        source are adjacent on both sides and their reads merge into one."""
         raw: list[list[Any]] = []  # [source_id, remote_addr, nbytes, local_offset]
-        tail: dict[str, list[Any]] = {}  # source -> its last read, to extend
+        prev: list[Any] = [None, -1, 0, -1]
         cursor = 0
-        for i in sorted(range(len(planned)), key=keys.__getitem__):
-            tpl, chosen = planned[i][0], planned[i][1]
-            base = bases[i] = cursor
-            cursor += (tpl.region + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
+        for i in sorted(range(len(entries)), key=keys.__getitem__):
+            entry = entries[i]
+            tpl, chosen = entry[1], entry[5]
+            entry[0] = base = cursor
+            cursor += tpl.region  # regions are OUT_ALIGN-aligned already
             for s, src, nbytes, dst in tpl.pieces:
-                sid, addr = chosen[s]  # type: ignore[misc]
-                remote, local = addr + src, base + dst
-                last = tail.get(sid)
-                if last is not None and last[1] + last[2] == remote and last[3] + last[2] == local:
-                    last[2] += nbytes
+                sid, addr = chosen[s]
+                remote = addr + src
+                if prev[0] == sid and prev[1] + prev[2] == remote and prev[3] + prev[2] == base + dst:
+                    prev[2] += nbytes
                 else:
-                    tail[sid] = op = [sid, remote, nbytes, local]
-                    raw.append(op)
-        by_role: dict[Role, list[int]] = {}
-        entries: list[_Entry] = []
-        hf_names: list[str] = []
-        for (tpl, _, names, dtype, role), base in zip(planned, bases):
-            counters = by_role.get(role)
-            if counters is None:
-                counters = by_role[role] = [0, 0]
-            counters[0] += tpl.pulled
-            counters[1] += tpl.needed
-            entries.append((base, tpl, names, dtype))
-            hf_names.extend(names)
+                    prev = [sid, remote, nbytes, base + dst]
+                    raw.append(prev)
+        # Per-role bytes from template use counts (C-level counting, not a per-tensor loop).
+        by_role: dict[str, list[int]] = {}
+        counts = Counter(map(id, map(itemgetter(1), entries)))
+        for tpl in self.templates.values():
+            uses = counts.get(id(tpl))
+            if uses:
+                counters = by_role.setdefault(self.template_roles[id(tpl)].value, [0, 0])
+                counters[0] += uses * tpl.pulled
+                counters[1] += uses * tpl.needed
         return MegatronReceivePlan(
             reads=[ReadOp(*op) for op in raw],
             arena_bytes=max(cursor, 1),
             bytes_needed=sum(c[1] for c in by_role.values()),
-            bytes_by_role={role.value: (c[0], c[1]) for role, c in by_role.items()},
-            hf_names=hf_names,
+            bytes_by_role={role: (c[0], c[1]) for role, c in by_role.items()},
+            hf_names=list(chain.from_iterable(map(itemgetter(2), entries))),
             unmapped=unmapped,
             _entries=entries,
         )
@@ -459,15 +556,15 @@ class _Planner:
         return rows_template(gshape, desc.itemsize, slots, bands, windows)
 
     # -- coverage ---------------------------------------------------------------------------------
-    def _missing(self, mname: str, names: tuple[str, ...]) -> None:
+    def _missing(self, mname: str, names: list[str]) -> None:
         """A name-map entry no source publishes: a gap unless the target does not need it."""
         if ".experts." in mname:
-            eid = _parse_expert_id(mname)
+            eid = parse_expert_id(mname)
             if not self.owned[0] <= eid < self.owned[1]:
                 return
             self.experts_seen += 1
             if eid == self.owned[0]:
-                self.expert_families[_expert_family(mname)] = 0
+                self.expert_families[expert_family(mname)] = 0
         if self.cfg.tie_word_embeddings and mname.endswith("output_layer.weight"):
             return  # tied: the engine reuses the embedding, nobody publishes an output layer
         self.gaps.extend((name, f"not published by any source (Megatron {mname!r})") for name in names)
@@ -481,7 +578,7 @@ class _Planner:
             for name in self.hf_map:
                 if ".experts." in name:
                     continue
-                layer = _layer_of(name)
+                layer = layer_of(name)
                 if layer >= 0:
                     present.add(layer)
                     if ".mlp.router." in name:
@@ -490,7 +587,7 @@ class _Planner:
                 if layer not in present:
                     self.gaps.append((f"decoder.layers.{layer}", "layer missing from every source"))
             if self.cfg.num_moe_experts:
-                with_experts = {_layer_of(f) for f in self.expert_families}
+                with_experts = {layer_of(f) for f in self.expert_families}
                 for layer in sorted(routers - with_experts):
                     self.gaps.append((f"decoder.layers.{layer}.mlp.experts", f"no expert {self.owned[0]} published"))
         per_family = self.owned[1] - self.owned[0]
@@ -499,108 +596,16 @@ class _Planner:
             seen: dict[str, set[int]] = {f: set() for f in self.expert_families}
             for name in self.hf_map:
                 if ".experts." in name:
-                    family = _expert_family(name)
-                    seen.setdefault(family, set()).add(_parse_expert_id(name))
+                    family = expert_family(name)
+                    seen.setdefault(family, set()).add(parse_expert_id(name))
             for family, ids in seen.items():
                 for eid in range(*self.owned):
                     if eid not in ids:
                         self.gaps.append((family.replace("{E}", str(eid)), "expert missing from every source"))
 
 
-def _check_target(target: TargetLayout, cfg: MegatronConfig) -> None:
-    for axis in ("tp", "ep"):
-        rank, size = getattr(target, f"{axis}_rank"), getattr(target, f"{axis}_size")
-        if size < 1 or not 0 <= rank < size:
-            raise InvalidArgument(f"target.{axis}_rank/{axis}_size: {rank}/{size} is not a valid rank")
-    if target.ep_size > 1 and (not cfg.num_moe_experts or cfg.num_moe_experts % target.ep_size):
-        raise InvalidArgument(
-            f"target.ep_size: {target.ep_size} does not divide num_moe_experts={cfg.num_moe_experts}"
-        )
-
-
-def _index(version: VersionInfo) -> dict[str, list[_Slot]]:
-    """Megatron name -> [(source ids, their descriptors)], one pair per group of sources that
-    publish the same names in the same order (e.g. the TP ranks of one PP stage and EP rank).
-
-    Grouping first lets C-level ``zip`` pair up each name's replicas/shards, so indexing costs
-    one Python step per name and group instead of one per descriptor. Sources are in id order,
-    so every later choice is deterministic.
-    """
-    groups: dict[tuple[str, ...], list[Any]] = {}
-    for source in sorted(version.sources, key=lambda s: s.source_id):
-        groups.setdefault(tuple(map(_NAME, source.tensors)), []).append(source)
-    index: dict[str, list[_Slot]] = {}
-    get = index.get
-    for names, members in groups.items():
-        sids = tuple(m.source_id for m in members)
-        for name, descs in zip(names, zip(*(m.tensors for m in members))):
-            pairs = get(name)
-            if pairs is None:
-                index[name] = [(sids, descs)]
-            else:
-                pairs.append((sids, descs))
-    return index
-
-
-def _merge(pairs: list[_Slot]) -> _Slot:
-    """One candidate set out of several groups' replicas."""
-    return tuple(s for sids, _ in pairs for s in sids), tuple(d for _, descs in pairs for d in descs)
-
-
-def _split_slots(pairs: list[_Slot]) -> tuple[list[_Slot], tuple[Any, ...]]:
-    """Shard slots (by offset, sorted) with their replicas, and the geometry key."""
-    by_offset: dict[int, tuple[list[str], list[TensorDescriptor]]] = {}
-    for sids, descs in pairs:
-        for sid, desc in zip(sids, descs):
-            slot = by_offset.get(desc.shard_offset)
-            if slot is None:
-                slot = by_offset[desc.shard_offset] = ([], [])
-            slot[0].append(sid)
-            slot[1].append(desc)
-    offsets = sorted(by_offset)
-    slots = [(tuple(by_offset[o][0]), tuple(by_offset[o][1])) for o in offsets]
-    return slots, tuple((o, by_offset[o][1][0].local_shape) for o in offsets)
-
-
-def _layer_of(name: str) -> int:
-    """The (PP-global) layer index of ``decoder.layers.<L>.…``, or -1."""
-    if not name.startswith("decoder.layers."):
-        return -1
-    number = name[15:].split(".", 1)[0]
-    return int(number) if number.isdigit() else -1
-
-
-def _hf_names(mname: str, entry: Any) -> tuple[str, ...]:
-    names = entry.get("hf") if isinstance(entry, Mapping) else entry
-    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
-        raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: expected a non-empty list of HF names, got {entry!r}")
-    return tuple(names)
-
-
-def _parse_expert_id(name: str) -> int:
-    """Global expert id from ``...experts.linear_fc1.weight7`` or ``...local_experts.7.linear_fc1...``."""
-    head, sep, tail = name.rpartition(".weight")
-    if sep and tail.isdigit():
-        return int(tail)
-    head, sep, tail = name.partition(".local_experts.")
-    number = tail.split(".", 1)[0]
-    if sep and number.isdigit():
-        return int(number)
-    raise InvalidArgument(f"cannot find an expert id in {name!r}")
-
-
-def _expert_family(name: str) -> str:
-    """The name with its expert id replaced by ``{E}`` (one family per layer and parameter)."""
-    head, sep, tail = name.rpartition(".weight")
-    if sep and tail.isdigit():
-        return f"{head}.weight{{E}}"
-    head, sep, tail = name.partition(".local_experts.")
-    return f"{head}.local_experts.{{E}}.{tail.split('.', 1)[1]}"
-
-
 def describe_plan(plan: MegatronReceivePlan) -> dict[str, Any]:
     """A JSON-friendly summary (tensors, bytes, reads, copies) for logs and ``verify``."""
-    copies = sum(spec.copies for spec in plan.tensor_specs())
     return {
         "tensors": plan.tensors,
         "reads": len(plan.reads),
@@ -608,7 +613,7 @@ def describe_plan(plan: MegatronReceivePlan) -> dict[str, Any]:
         "bytes_needed": plan.bytes_needed,
         "bytes_pulled": plan.bytes_pulled,
         "bytes_by_role": {role: list(v) for role, v in plan.bytes_by_role.items()},
-        "staged_copies": copies,
+        "staged_copies": sum(spec.copies for spec in plan.tensor_specs()),
         "sources": len({r.source_id for r in plan.reads}),
         "unmapped": len(plan.unmapped),
     }

@@ -106,6 +106,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._receivers: dict[str, Receiver] = {}
         self._session: _Session | None = None
         self._coords: dict[str, int] = {}
+        self.last_update: MxUpdateInfo | None = None  # the last update info this worker acted on
 
     # -- lifecycle --------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MxInitInfo) -> None:
@@ -182,6 +183,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         session = self._session
         if session is None:
             raise RuntimeError("mx: start_weight_update must be called before update_weights")
+        self.last_update = update_info
         model_name = update_info.model or init.model
         wait_s = init.ready_timeout_s if update_info.wait_s is None else update_info.wait_s
         what = (
