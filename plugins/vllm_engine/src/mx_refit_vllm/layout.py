@@ -145,6 +145,10 @@ class NameCheck:
             return None
         return "the model has no such parameter or buffer"
 
+    def _sharded_dims(self, target: str, param: "torch.Tensor") -> set[int]:
+        owner = self.modules.get(target.rpartition(".")[0])
+        return _sharded_dims_of(owner, param)
+
     def _shape_problem(self, target: str, shape: Sequence[int], *, packed: bool) -> str | None:
         param = self.tensors[target]
         if param.is_meta or not param.is_floating_point():
@@ -153,7 +157,7 @@ class NameCheck:
         have = tuple(int(d) for d in param.shape)
         if len(got) != len(have):
             return f"shape {got} does not fit {target} {have}"
-        sharded = {getattr(param, "output_dim", None), getattr(param, "input_dim", None)} - {None}
+        sharded = self._sharded_dims(target, param)
         for dim, (g, h) in enumerate(zip(got, have)):
             if dim in sharded:
                 if packed and dim == getattr(param, "output_dim", None):
@@ -163,6 +167,23 @@ class NameCheck:
             elif g != h:
                 return f"shape {got} does not fit {target} {have} (dim {dim})"
         return None
+
+
+def _sharded_dims_of(module: Any, param: Any) -> set[int]:
+    """The parameter dims vLLM's TP loader narrows for this layer kind."""
+    output_dim, input_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+    try:
+        from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    except ImportError:  # pragma: no cover - layer classes moved: fall back to lenient checks
+        return {output_dim, input_dim} - {None}
+    if isinstance(module, RowParallelLinear):
+        return {input_dim} - {None}
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return {output_dim} - {None}
+    if isinstance(module, ReplicatedLinear):
+        return set()
+    return {output_dim, input_dim} - {None}
 
 
 def check_names(

@@ -1,0 +1,232 @@
+"""Child processes the tests drive over authenticated local sockets, and the RL-route relay.
+
+Each child runs one script (a vLLM worker rank, a trainer rank) under a given interpreter, so the
+Megatron trainer can run in the core venv while the workers run in the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RemoteError(RuntimeError):
+    """A child answered a command with an exception: ``kind`` is its type name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+class Child:
+    """One child process and its command connection."""
+
+    def __init__(self, name: str, python: str, script: str, args: Sequence[str], log_dir: Path,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        address = "%s:%d" % listener.address
+        child_env = {**os.environ, **(env or {}), "MX_TEST_AUTHKEY": authkey.hex(), "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [python, str(HERE / script), "--listen", address, *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=str(HERE),
+        )
+        accepted: list[Connection] = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while thread.is_alive() and time.monotonic() < deadline and self.proc.poll() is None:
+            thread.join(0.2)
+        listener.close()
+        if not accepted:
+            self.kill()
+            raise RuntimeError(f"{name} never connected (exit {self.proc.poll()}):\n{self.log_tail()}")
+        self.conn = accepted[0]
+        self.hello = self.recv(start_timeout_s)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def send(self, cmd: str, arg: Any = None) -> None:
+        self.conn.send((cmd, arg))
+
+    def recv(self, timeout_s: float = 300.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.2):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} died (exit {self.proc.returncode}):\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not answer within {timeout_s}s:\n{self.log_tail()}")
+        status, value = self.conn.recv()
+        if status == "err":
+            kind, message = value
+            if kind == "StartupError":
+                raise RuntimeError(f"{self.name} failed to start:\n{message}\n{self.log_tail()}")
+            raise RemoteError(kind, message)
+        return value
+
+    def call(self, cmd: str, arg: Any = None, timeout_s: float = 300.0) -> Any:
+        self.send(cmd, arg)
+        return self.recv(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("stop", timeout_s=30)
+            except Exception:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Group:
+    """Children that receive every command together, like vLLM's ``collective_rpc``."""
+
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+
+    def __len__(self) -> int:
+        return len(self.children)
+
+    def call(self, cmd: str, arg: Any = None, timeout_s: float = 300.0) -> list[Any]:
+        """Send to all, then collect all; raise the first rank's error after every rank answered."""
+        for child in self.children:
+            child.send(cmd, arg)
+        results, errors = [], []
+        for child in self.children:
+            try:
+                results.append(child.recv(timeout_s))
+            except RemoteError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return results
+
+    def rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        return self.call("rpc", (method, kwargs))
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop()
+
+
+def start_group(prefix: str, python: str, script: str, per_rank_args: list[list[str]], log_dir: Path,
+                env: dict[str, str] | None = None) -> Group:
+    """Start one child per rank concurrently (their startups overlap)."""
+    with ThreadPoolExecutor(len(per_rank_args)) as pool:
+        futures = [
+            pool.submit(Child, f"{prefix}-{rank}", python, script, args, log_dir, env)
+            for rank, args in enumerate(per_rank_args)
+        ]
+        children, failures = [], []
+        for future in futures:
+            try:
+                children.append(future.result())
+            except Exception as exc:
+                failures.append(exc)
+    if failures:
+        for child in children:
+            child.kill()
+        raise failures[0]
+    return Group(children)
+
+
+class Relay:
+    """vLLM's RL weight-sync HTTP routes (the ``VLLM_SERVER_DEV_MODE`` ones), fanned out to a
+    worker group. Lets trainers use vLLM's real ``HTTPVLLMWeightSyncClient`` over real JSON."""
+
+    ROUTES = {
+        "/init_weight_transfer_engine": ("init_weight_transfer_engine", "init_info"),
+        "/start_weight_update": ("start_weight_update", None),
+        "/update_weights": ("update_weights", "update_info"),
+        "/finish_weight_update": ("finish_weight_update", None),
+    }
+
+    def __init__(self) -> None:
+        self.group: Group | None = None
+        self.calls: list[tuple[str, Any]] = []
+        relay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null") if length else None
+                route = relay.ROUTES.get(self.path)
+                if route is None or relay.group is None:
+                    self.send_error(404)
+                    return
+                method, key = route
+                kwargs = {key: body[key]} if key else {}
+                relay.calls.append((method, kwargs))
+                try:
+                    relay.group.rpc(method, **kwargs)
+                except Exception as exc:
+                    payload = json.dumps({"error": str(exc)}).encode()
+                    self.send_response(500)
+                else:
+                    payload = b"{}"
+                    self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return "http://%s:%d" % self.server.server_address
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def vllm_python() -> str:
+    return sys.executable
+
+
+def core_python() -> str | None:
+    """The core venv's interpreter (megatron-core + Megatron-Bridge), if present."""
+    path = os.environ.get("MX_REFIT_CORE_PYTHON", "/root/.cache/mxb/core/bin/python")
+    return path if path and os.path.exists(path) else None

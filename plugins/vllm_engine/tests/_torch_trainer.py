@@ -1,0 +1,127 @@
+"""One rank of a plain PyTorch trainer using vLLM's RL API with the ``mx`` backend.
+
+The model is transformers' own ``Qwen2ForCausalLM`` whose parameters are DTensors over a gloo
+device mesh of all trainer ranks: matrices ``Shard(0)`` (uneven: vocab 131 over 2 ranks) or
+``Shard(1)`` (o_proj, down_proj), vectors replicated. ``ModuleSource`` (vLLM's) describes it;
+``WeightTransferTrainerFactory.trainer_init`` builds our engine from ``MxTrainerInitInfo``; the
+client is vLLM's ``HTTPVLLMWeightSyncClient`` talking to the test's relay of vLLM's RL routes.
+
+Protocol: ``("send", (version, hf_dir))`` copies version ``hf_dir``'s weights into the local
+shards in place, then ``send_weights(version)``; ``("stats", None)``; ``("stop", None)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _error(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+
+class TrainerRank:
+    def __init__(self, rank: int, world: int, dist_port: int, catalog: str, model_name: str, relay: str,
+                 hf_dir: str) -> None:
+        import torch
+        import torch.distributed as dist
+        import transformers
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from mx_refit_vllm.trainer import MxTrainerInitInfo
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+        self.mesh = init_device_mesh("cpu", (world,))
+        config = transformers.AutoConfig.from_pretrained(hf_dir)
+        torch.manual_seed(0)
+        self.module = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+        self.placements: dict[str, tuple] = {}
+        for name, param in list(self.module.named_parameters()):
+            if param.dim() == 1:
+                placement = (Replicate(),)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                placement = (Shard(1),)
+            else:
+                placement = (Shard(0),)
+            owner, leaf = self.module.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+            dt = distribute_tensor(param.detach().clone(), self.mesh, placement)
+            setattr(owner, leaf, torch.nn.Parameter(dt, requires_grad=False))
+            self.placements[name] = placement
+        if config.tie_word_embeddings:  # keep lm_head tied to the (now distributed) embedding
+            self.module.lm_head.weight = self.module.model.embed_tokens.weight
+        self.source = ModuleSource(self.module)
+        info = MxTrainerInitInfo(
+            catalog=catalog, model=model_name, world_size=world, rank=rank,
+            ready_timeout_s=120.0, drain_timeout_s=120.0, worker={"load_batch_bytes": 64 << 10},
+        )
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(relay, timeout=300), source=self.source
+        )
+        self.world = world
+        self.rank = rank
+
+    def send(self, version: int, hf_dir: str) -> dict:
+        """Write version ``hf_dir`` into this rank's shards in place (as an optimizer would), then send."""
+        import torch
+
+        from _checkpoints import load_version
+
+        full = load_version(hf_dir)
+        pointers = {}
+        for name, param in self.module.named_parameters():
+            local = param.to_local()
+            (placement,) = self.placements[name]
+            want = full[name]
+            if hasattr(placement, "dim"):
+                want = torch.chunk(want, self.world, dim=placement.dim)[self.rank]
+            local.copy_(want)
+            pointers[name] = local.data_ptr()
+        self.engine.send_weights(version)
+        return {"pointers": pointers, "registrations": self.engine.publisher.transport.registrations}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--dist-port", type=int, required=True)
+    parser.add_argument("--catalog", required=True)
+    parser.add_argument("--model-name", required=True)
+    parser.add_argument("--relay", required=True)
+    parser.add_argument("--hf-dir", required=True)
+    args = parser.parse_args()
+    host, port = args.listen.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
+    try:
+        rank = TrainerRank(args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.relay,
+                           args.hf_dir)
+    except BaseException as exc:
+        conn.send(("err", _error(exc)))
+        return
+    conn.send(("ok", {"pid": os.getpid()}))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            rank.engine.shutdown()
+            conn.send(("ok", None))
+            break
+        try:
+            if cmd == "send":
+                conn.send(("ok", rank.send(*arg)))
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except BaseException as exc:
+            conn.send(("err", _error(exc)))
+
+
+if __name__ == "__main__":
+    main()

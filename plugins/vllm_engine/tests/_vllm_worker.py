@@ -1,0 +1,163 @@
+"""One vLLM inference worker (one TP rank) in its own process, driven by the tests.
+
+Built the way vLLM's GPU worker builds itself, minus the GPU: the general plugins load (this is
+where the ``mx`` entry point registers the backend), the TP group is a gloo group, vLLM's own
+``Qwen2ForCausalLM`` is built with ``initialize_model`` and loaded from the version-0 checkpoint,
+and the weight-transfer engine comes from ``WeightTransferEngineFactory.create_engine`` exactly as
+``Worker.load_model`` calls it. The update RPCs then run through vLLM's real ``Worker`` methods
+(``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` with its per-rank
+list indexing and session reset, ``finish_weight_update``) on a Worker object that carries only
+the attributes those methods use.
+
+Protocol (multiprocessing.connection, pickle): ``("rpc", method, kwargs)``,
+``("check", hf_dir)``, ``("stats", None)``, ``("stop", None)``; replies ``("ok", value)`` or
+``("err", (type_name, message))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator: vLLM's CPU code paths
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _error(exc: BaseException) -> tuple[str, str]:
+    parts = [f"{type(exc).__name__}: {exc}"]
+    cause = exc.__cause__
+    while cause is not None:
+        parts.append(f"caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__
+    return type(exc).__name__, " | ".join(parts)
+
+
+class WorkerProcess:
+    def __init__(self, rank: int, world: int, dist_port: int, hf_dir: str) -> None:
+        import torch
+        from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.worker.gpu_worker import Worker
+        from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+        from _checkpoints import load_version
+
+        load_general_plugins()  # vLLM does this in every worker before load_model
+        self.vllm_config = VllmConfig(
+            model_config=ModelConfig(model=hf_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True),
+            parallel_config=ParallelConfig(tensor_parallel_size=world),
+            device_config=DeviceConfig(device="cpu"),
+            weight_transfer_config=WeightTransferConfig(backend="mx"),
+        )
+        self._ctx = set_current_vllm_config
+        with set_current_vllm_config(self.vllm_config):
+            init_distributed_environment(
+                world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
+            )
+            initialize_model_parallel(world, 1, backend="gloo")
+            self.model = initialize_model(vllm_config=self.vllm_config)
+            self.model.load_weights(list(load_version(hf_dir).items()))
+            # A second instance needs its own layer-name prefix (vLLM keys attention layers by it);
+            # parameter names are unaffected.
+            self.reference = initialize_model(vllm_config=self.vllm_config, prefix="reference")
+            engine = WeightTransferEngineFactory.create_engine(
+                self.vllm_config.weight_transfer_config, self.vllm_config, torch.device("cpu"), self.model
+            )
+        runner = LoRAModelRunnerMixin()
+        runner.lora_config = None  # no LoRA: reset_lora_state() is then a no-op, as in vLLM
+        worker = Worker.__new__(Worker)
+        worker.vllm_config = self.vllm_config
+        worker.rank = rank
+        worker.model_runner = runner
+        worker.speculative_config = None
+        worker.weight_transfer_engine = engine
+        worker._weight_update_active = False
+        worker._weight_update_is_draft = False
+        self.worker = worker
+        self.engine = engine
+
+    def rpc(self, method: str, kwargs: dict) -> object:
+        return getattr(self.worker, method)(**kwargs)
+
+    def check(self, hf_dir: str) -> dict:
+        """Load ``hf_dir`` into the reference model through vLLM's plain loader, then compare
+        every parameter of the live model with it, byte for byte."""
+        import torch
+
+        from _checkpoints import load_version
+
+        with self._ctx(self.vllm_config):
+            self.reference.load_weights(list(load_version(hf_dir).items()))
+        live = dict(self.model.named_parameters())
+        ref = dict(self.reference.named_parameters())
+        assert live.keys() == ref.keys(), (sorted(live), sorted(ref))
+        mismatched = []
+        for name, tensor in live.items():
+            a = tensor.detach().contiguous().view(torch.uint8)
+            b = ref[name].detach().contiguous().view(torch.uint8)
+            if a.shape != b.shape or not torch.equal(a, b):
+                mismatched.append(name)
+        return {"compared": len(live), "mismatched": mismatched,
+                "bytes": sum(t.numel() * t.element_size() for t in live.values())}
+
+    def stats(self) -> dict:
+        eng = self.engine
+        transport = getattr(eng, "_transport", None)
+        last = eng.last_update
+        return {
+            "registrations": transport.registrations if transport is not None else 0,
+            "arenas": {m: (r._arena.data_ptr(), r._arena.numel()) for m, r in eng.receivers.items() if r._arena is not None},
+            "layout": eng.layout,
+            "last_update": None if last is None else last.to_dict(),
+            "active": self.worker._weight_update_active,
+            "session": eng._session is not None,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--dist-port", type=int, required=True)
+    parser.add_argument("--hf-dir", required=True)
+    args = parser.parse_args()
+    host, port = args.listen.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
+    try:
+        proc = WorkerProcess(args.rank, args.world, args.dist_port, args.hf_dir)
+    except BaseException:
+        conn.send(("err", ("StartupError", traceback.format_exc())))
+        return
+    conn.send(("ok", {"pid": os.getpid(), "rank": args.rank}))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            conn.send(("ok", None))
+            break
+        try:
+            if cmd == "rpc":
+                value = proc.rpc(*arg)
+            elif cmd == "check":
+                value = proc.check(arg)
+            elif cmd == "stats":
+                value = proc.stats()
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send(("ok", value))
+        except BaseException as exc:  # report, keep serving: the tests probe failure paths
+            conn.send(("err", _error(exc)))
+    proc.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

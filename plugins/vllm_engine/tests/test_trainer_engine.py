@@ -1,0 +1,57 @@
+"""A plain PyTorch/DTensor trainer (2 processes) -> vLLM's RL HTTP routes -> a vLLM worker.
+
+Everything on the path is real: vLLM's ``ModuleSource`` over DTensor parameters,
+``WeightTransferTrainerFactory`` dispatching ``MxTrainerInitInfo`` to our engine, vLLM's
+``HTTPVLLMWeightSyncClient`` posting JSON, vLLM's ``Worker`` methods calling the ``mx`` engine,
+the catalog over gRPC and NIXL reads from the trainer processes into the worker's arena.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _procs import Relay, free_port, start_group, vllm_python
+
+
+@pytest.fixture
+def trainers(mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[int, Path], log_dir: Path):
+    relay.group = tp1.group
+    port = free_port()
+    args = [
+        ["--rank", str(r), "--world", "2", "--dist-port", str(port), "--catalog", mx_catalog,
+         "--model-name", model_name, "--relay", relay.url, "--hf-dir", str(ckpts[0])]
+        for r in range(2)
+    ]
+    group = start_group("torch-trainer", vllm_python(), "_torch_trainer.py", args, log_dir)
+    yield group
+    group.stop()
+    relay.group = None
+
+
+def test_dtensor_trainer_drives_vllm_worker_over_http(trainers, tp1, relay: Relay, ckpts: dict[int, Path]) -> None:
+    # trainer_init (rank 0) already initialised the worker's engine through the HTTP route.
+    assert [m for m, _ in relay.calls[-1:]] == ["init_weight_transfer_engine"]
+    init_info = relay.calls[-1][1]["init_info"]
+    assert init_info["load_batch_bytes"] == 64 << 10 and init_info["model"].startswith("vllm-")
+
+    first = trainers.call("send", (1, str(ckpts[1])))
+    tp1.check(ckpts[1])
+    tp1.current = ckpts[1]
+    assert [m for m, _ in relay.calls[-3:]] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert relay.calls[-2][1]["update_info"]["version"] == 1
+    registrations = tp1.stats()[0]["registrations"]
+    arenas = tp1.stats()[0]["arenas"]
+
+    # Step 2: the trainer mutates its shards in place; nothing is re-registered on either side.
+    second = trainers.call("send", (2, str(ckpts[2])))
+    tp1.check(ckpts[2])
+    tp1.current = ckpts[2]
+    for before, after in zip(first, second):
+        assert after["pointers"] == before["pointers"]
+        assert after["registrations"] == before["registrations"]
+    stats = tp1.stats()[0]
+    assert stats["registrations"] == registrations, "the receive arena was registered again"
+    assert stats["arenas"] == arenas, "the receive arena was reallocated"
+    assert not stats["active"] and not stats["session"]
