@@ -44,7 +44,10 @@ def main() -> None:
     while True:
         cmd, arg = conn.recv()
         if cmd == "stop":
+            from mx_refit.layout.megatron import destroy_distributed
+
             publisher.close()
+            destroy_distributed()
             conn.send(("ok", None))
             break
         try:

@@ -66,6 +66,7 @@ class Child:
             self.kill()
             raise RuntimeError(f"{name} never connected (exit {self.proc.poll()}):\n{self.log_tail()}")
         self.conn = accepted[0]
+        self.stopped = False
         self.hello = self.recv(start_timeout_s)
 
     def log_tail(self, lines: int = 40) -> str:
@@ -98,10 +99,11 @@ class Child:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            try:
-                self.call("stop", timeout_s=30)
-            except Exception:
-                pass
+            if not self.stopped:
+                try:
+                    self.call("stop", timeout_s=30)
+                except Exception:
+                    pass
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -141,6 +143,19 @@ class Group:
         return self.call("rpc", (method, kwargs))
 
     def stop(self) -> None:
+        """Stop every rank together: ranks of one process group may wait for each other on exit."""
+        live = [c for c in self.children if c.proc.poll() is None]
+        for child in live:
+            try:
+                child.send("stop")
+            except OSError:
+                pass
+        for child in live:
+            try:
+                child.recv(timeout_s=30)
+            except Exception:
+                pass
+            child.stopped = True
         for child in self.children:
             child.stop()
 
@@ -227,6 +242,15 @@ def vllm_python() -> str:
 
 
 def core_python() -> str | None:
-    """The core venv's interpreter (megatron-core + Megatron-Bridge), if present."""
-    path = os.environ.get("MX_REFIT_CORE_PYTHON", "/root/.cache/mxb/core/bin/python")
-    return path if path and os.path.exists(path) else None
+    """The core venv's interpreter (megatron-core + Megatron-Bridge): ``$MX_REFIT_CORE_PYTHON``,
+    else the newest complete ``scripts/dev`` core venv under ``$MX_REFIT_CACHE``."""
+    explicit = os.environ.get("MX_REFIT_CORE_PYTHON")
+    if explicit:
+        return explicit if os.path.exists(explicit) else None
+    cache = Path(os.environ.get("MX_REFIT_CACHE", Path.home() / ".cache" / "mx-refit"))
+    built = sorted(cache.glob("venv-core-*/.complete"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for marker in built:
+        python = marker.parent / "bin" / "python"
+        if python.exists():
+            return str(python)
+    return None

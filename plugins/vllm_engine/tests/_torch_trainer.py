@@ -111,7 +111,10 @@ def main() -> None:
     while True:
         cmd, arg = conn.recv()
         if cmd == "stop":
+            import torch.distributed as dist
+
             rank.engine.shutdown()
+            dist.destroy_process_group()
             conn.send(("ok", None))
             break
         try:

@@ -9,7 +9,8 @@ and the weight-transfer engine comes from ``WeightTransferEngineFactory.create_e
 list indexing and session reset, ``finish_weight_update``) on a Worker object that carries only
 the attributes those methods use.
 
-Protocol (multiprocessing.connection, pickle): ``("rpc", method, kwargs)``,
+Protocol (multiprocessing.connection, pickle): ``("rpc", method, kwargs)`` (Worker methods),
+``("engine", (method, kwargs))`` (engine methods directly),
 ``("check", hf_dir)``, ``("stats", None)``, ``("stop", None)``; replies ``("ok", value)`` or
 ``("err", (type_name, message))``.
 """
@@ -147,6 +148,9 @@ def main() -> None:
         try:
             if cmd == "rpc":
                 value = proc.rpc(*arg)
+            elif cmd == "engine":  # the engine's own methods, bypassing vLLM's Worker
+                method, kwargs = arg
+                value = getattr(proc.engine, method)(**kwargs)
             elif cmd == "check":
                 value = proc.check(arg)
             elif cmd == "stats":

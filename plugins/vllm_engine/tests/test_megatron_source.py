@@ -45,3 +45,15 @@ def test_megatron_tp2_to_vllm_tp2_per_rank_list(megatron, tp2, mx_catalog: str, 
     for rank, stats in enumerate(tp2.stats()):
         assert stats["layout"].tp_rank == rank and stats["layout"].tp_size == 2
         assert stats["last_update"]["wait_s"] == 1.0 + rank, "a worker loaded another rank's entry"
+
+
+def test_engine_update_weights_accepts_the_list_itself(megatron, tp2, mx_catalog: str, ckpts: dict[int, Path]) -> None:
+    """Driving the engine directly (no vLLM Worker in between): it picks its own entry the same way."""
+    name, _ = megatron
+    tp2.rpc("init_weight_transfer_engine", init_info={"catalog": mx_catalog, "model": name})
+    tp2.group.call("engine", ("start_weight_update", {}))
+    entries = [{"version": 3, "wait_s": 5.0 + rank} for rank in range(2)]
+    tp2.group.call("engine", ("update_weights", {"update_info": entries}))
+    tp2.group.call("engine", ("finish_weight_update", {}))
+    tp2.check(ckpts[3])
+    assert [s["last_update"]["wait_s"] for s in tp2.stats()] == [5.0, 6.0]

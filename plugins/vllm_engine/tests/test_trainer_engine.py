@@ -39,6 +39,8 @@ def test_dtensor_trainer_drives_vllm_worker_over_http(trainers, tp1, relay: Rela
     first = trainers.call("send", (1, str(ckpts[1])))
     tp1.check(ckpts[1])
     tp1.current = ckpts[1]
+    with pytest.raises(AssertionError, match="differ from qwen2-v0"):
+        tp1.check(ckpts[0])  # the byte comparison does tell versions apart
     assert [m for m, _ in relay.calls[-3:]] == ["start_weight_update", "update_weights", "finish_weight_update"]
     assert relay.calls[-2][1]["update_info"]["version"] == 1
     registrations = tp1.stats()[0]["registrations"]

@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -277,7 +278,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         tag = f"dp{c.get('dp_index', 0)}-pp{c.get('pp_rank', 0)}-tp{c.get('tp_rank', 0)}"
         if self._transport is None:
             # One NIXL agent per worker process, shared by every model it receives.
-            self._transport = NixlTransport(f"mx-vllm-{socket.gethostname()}-{os.getpid()}-{tag}")
+            # The suffix keeps agent names unique across re-initialisations of this worker.
+            self._transport = NixlTransport(f"mx-vllm-{socket.gethostname()}-{os.getpid()}-{tag}-{uuid.uuid4().hex[:6]}")
         if self._hooks is None:
             self._hooks = Hooks()
         receiver = Receiver(

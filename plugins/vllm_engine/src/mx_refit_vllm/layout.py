@@ -14,7 +14,6 @@ would leave a half-loaded model. Checking first turns that into a clean refusal.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["NameCheck", "check_names", "target_layout", "worker_coordinates"]
 
-log = logging.getLogger(__name__)
 
 # HF tensors that vLLM models drop on purpose (recomputed or unused at inference).
 _IGNORED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
