@@ -15,8 +15,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
-from mx_refit.types import MeshPosition, ReadOp, Role, SourceInfo, TargetLayout, TensorDescriptor, VersionInfo, VersionState
+from mx_refit.types import (
+    MeshPosition,
+    ReadOp,
+    Role,
+    SourceInfo,
+    TargetLayout,
+    TensorDescriptor,
+    VersionInfo,
+    VersionState,
+)
 
 _PM: Any = None
 
@@ -133,8 +141,12 @@ def hf_reference(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
 def _merge_qkv(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     pm = bridge_param_mapping()
     if pm is not None:
-        cfg = SimpleNamespace(num_attention_heads=spec.heads, num_query_groups=spec.groups,
-                              kv_channels=spec.head_dim, hidden_size=spec.hidden)
+        cfg = SimpleNamespace(
+            num_attention_heads=spec.heads,
+            num_query_groups=spec.groups,
+            kv_channels=spec.head_dim,
+            hidden_size=spec.hidden,
+        )
         return (pm.merge_qkv_biases if q.ndim == 1 else pm.merge_qkv_weights)(cfg, q, k, v)
     from mx_refit.layout.translate import merge_qkv
 
@@ -147,7 +159,9 @@ def _merge_gated(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat([torch.cat([gates[i], ups[i]], dim=0) for i in range(tp)], dim=0)
 
 
-def megatron_params(spec: ModelSpec, hf: dict[str, torch.Tensor], layout: SourceLayout) -> list[MegatronParam]:
+def megatron_params(
+    spec: ModelSpec, hf: dict[str, torch.Tensor], layout: SourceLayout
+) -> list[MegatronParam]:
     tp, etp = layout.tp, layout.etp
     pv = padded_vocab(spec.vocab, tp)
     gen = torch.Generator().manual_seed(1234)
@@ -156,56 +170,169 @@ def megatron_params(spec: ModelSpec, hf: dict[str, torch.Tensor], layout: Source
         junk = torch.randn(pv - x.shape[0], x.shape[1], generator=gen).to(x.dtype)  # must be trimmed
         return torch.cat([x, junk], dim=0)
 
-    params = [MegatronParam("embedding.word_embeddings.weight", Role.VOCAB_PARALLEL, ["model.embed_tokens.weight"],
-                            "AutoMapping", pad_vocab(hf["model.embed_tokens.weight"]), tp=tp)]
+    params = [
+        MegatronParam(
+            "embedding.word_embeddings.weight",
+            Role.VOCAB_PARALLEL,
+            ["model.embed_tokens.weight"],
+            "AutoMapping",
+            pad_vocab(hf["model.embed_tokens.weight"]),
+            tp=tp,
+        )
+    ]
     for layer in range(spec.layers):
         m, p = f"decoder.layers.{layer}.", f"model.layers.{layer}."
 
-        def add(name: str, role: Role, names: list[str], mapping: str, tensor: torch.Tensor, **kw: Any) -> None:
-            params.append(MegatronParam(m + name, role, [p + n for n in names], mapping, tensor, layer=layer, **kw))
+        def add(
+            name: str,
+            role: Role,
+            names: list[str],
+            mapping: str,
+            tensor: torch.Tensor,
+            m: str = m,
+            p: str = p,
+            layer: int = layer,
+            **kw: Any,
+        ) -> None:
+            params.append(
+                MegatronParam(m + name, role, [p + n for n in names], mapping, tensor, layer=layer, **kw)
+            )
 
-        add("self_attention.linear_qkv.layer_norm_weight", Role.REPLICATED, ["input_layernorm.weight"],
-            "AutoMapping", hf[p + "input_layernorm.weight"])
+        add(
+            "self_attention.linear_qkv.layer_norm_weight",
+            Role.REPLICATED,
+            ["input_layernorm.weight"],
+            "AutoMapping",
+            hf[p + "input_layernorm.weight"],
+        )
         qkv = [f"self_attn.{x}_proj.weight" for x in "qkv"]
-        add("self_attention.linear_qkv.weight", Role.QKV_COLUMN, qkv, "QKVMapping",
-            _merge_qkv(spec, *(hf[p + n] for n in qkv)), tp=tp)
+        add(
+            "self_attention.linear_qkv.weight",
+            Role.QKV_COLUMN,
+            qkv,
+            "QKVMapping",
+            _merge_qkv(spec, *(hf[p + n] for n in qkv)),
+            tp=tp,
+        )
         if spec.qkv_bias:
             qkvb = [f"self_attn.{x}_proj.bias" for x in "qkv"]
-            add("self_attention.linear_qkv.bias", Role.QKV_COLUMN, qkvb, "QKVMapping",
-                _merge_qkv(spec, *(hf[p + n] for n in qkvb)), tp=tp)
+            add(
+                "self_attention.linear_qkv.bias",
+                Role.QKV_COLUMN,
+                qkvb,
+                "QKVMapping",
+                _merge_qkv(spec, *(hf[p + n] for n in qkvb)),
+                tp=tp,
+            )
         if spec.qk_norm:
-            add("self_attention.q_layernorm.weight", Role.REPLICATED, ["self_attn.q_norm.weight"], "AutoMapping",
-                hf[p + "self_attn.q_norm.weight"])
-            add("self_attention.k_layernorm.weight", Role.REPLICATED, ["self_attn.k_norm.weight"], "AutoMapping",
-                hf[p + "self_attn.k_norm.weight"])
-        add("self_attention.linear_proj.weight", Role.ROW, ["self_attn.o_proj.weight"], "AutoMapping",
-            hf[p + "self_attn.o_proj.weight"], tp=tp)
+            add(
+                "self_attention.q_layernorm.weight",
+                Role.REPLICATED,
+                ["self_attn.q_norm.weight"],
+                "AutoMapping",
+                hf[p + "self_attn.q_norm.weight"],
+            )
+            add(
+                "self_attention.k_layernorm.weight",
+                Role.REPLICATED,
+                ["self_attn.k_norm.weight"],
+                "AutoMapping",
+                hf[p + "self_attn.k_norm.weight"],
+            )
+        add(
+            "self_attention.linear_proj.weight",
+            Role.ROW,
+            ["self_attn.o_proj.weight"],
+            "AutoMapping",
+            hf[p + "self_attn.o_proj.weight"],
+            tp=tp,
+        )
         if spec.experts:
-            add("pre_mlp_layernorm.weight", Role.REPLICATED, ["post_attention_layernorm.weight"], "AutoMapping",
-                hf[p + "post_attention_layernorm.weight"])
-            add("mlp.router.weight", Role.REPLICATED, ["mlp.gate.weight"], "AutoMapping", hf[p + "mlp.gate.weight"])
+            add(
+                "pre_mlp_layernorm.weight",
+                Role.REPLICATED,
+                ["post_attention_layernorm.weight"],
+                "AutoMapping",
+                hf[p + "post_attention_layernorm.weight"],
+            )
+            add(
+                "mlp.router.weight",
+                Role.REPLICATED,
+                ["mlp.gate.weight"],
+                "AutoMapping",
+                hf[p + "mlp.gate.weight"],
+            )
             for e in range(spec.experts):
                 gu = [f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"]
                 if spec.sequential_experts:
-                    fc1, fc2 = f"mlp.experts.local_experts.{e}.linear_fc1.weight", f"mlp.experts.local_experts.{e}.linear_fc2.weight"
+                    fc1, fc2 = (
+                        f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                        f"mlp.experts.local_experts.{e}.linear_fc2.weight",
+                    )
                 else:
                     fc1, fc2 = f"mlp.experts.linear_fc1.weight{e}", f"mlp.experts.linear_fc2.weight{e}"
-                add(fc1, Role.EXPERT_COLUMN, gu, "GatedMLPMapping",
-                    _merge_gated(hf[p + gu[0]], hf[p + gu[1]], etp), expert=e, tp=etp)
-                add(fc2, Role.EXPERT_ROW, [f"mlp.experts.{e}.down_proj.weight"], "AutoMapping",
-                    hf[p + f"mlp.experts.{e}.down_proj.weight"], expert=e, tp=etp)
+                add(
+                    fc1,
+                    Role.EXPERT_COLUMN,
+                    gu,
+                    "GatedMLPMapping",
+                    _merge_gated(hf[p + gu[0]], hf[p + gu[1]], etp),
+                    expert=e,
+                    tp=etp,
+                )
+                add(
+                    fc2,
+                    Role.EXPERT_ROW,
+                    [f"mlp.experts.{e}.down_proj.weight"],
+                    "AutoMapping",
+                    hf[p + f"mlp.experts.{e}.down_proj.weight"],
+                    expert=e,
+                    tp=etp,
+                )
         else:
-            add("mlp.linear_fc1.layer_norm_weight", Role.REPLICATED, ["post_attention_layernorm.weight"],
-                "AutoMapping", hf[p + "post_attention_layernorm.weight"])
-            add("mlp.linear_fc1.weight", Role.GATED_MLP_COLUMN, ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-                "GatedMLPMapping", _merge_gated(hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"], tp), tp=tp)
-            add("mlp.linear_fc2.weight", Role.ROW, ["mlp.down_proj.weight"], "AutoMapping",
-                hf[p + "mlp.down_proj.weight"], tp=tp)
-    params.append(MegatronParam("decoder.final_layernorm.weight", Role.REPLICATED, ["model.norm.weight"],
-                                "AutoMapping", hf["model.norm.weight"]))
+            add(
+                "mlp.linear_fc1.layer_norm_weight",
+                Role.REPLICATED,
+                ["post_attention_layernorm.weight"],
+                "AutoMapping",
+                hf[p + "post_attention_layernorm.weight"],
+            )
+            add(
+                "mlp.linear_fc1.weight",
+                Role.GATED_MLP_COLUMN,
+                ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                "GatedMLPMapping",
+                _merge_gated(hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"], tp),
+                tp=tp,
+            )
+            add(
+                "mlp.linear_fc2.weight",
+                Role.ROW,
+                ["mlp.down_proj.weight"],
+                "AutoMapping",
+                hf[p + "mlp.down_proj.weight"],
+                tp=tp,
+            )
+    params.append(
+        MegatronParam(
+            "decoder.final_layernorm.weight",
+            Role.REPLICATED,
+            ["model.norm.weight"],
+            "AutoMapping",
+            hf["model.norm.weight"],
+        )
+    )
     if not spec.tie:
-        params.append(MegatronParam("output_layer.weight", Role.COLUMN, ["lm_head.weight"], "AutoMapping",
-                                    pad_vocab(hf["lm_head.weight"]), tp=tp))
+        params.append(
+            MegatronParam(
+                "output_layer.weight",
+                Role.COLUMN,
+                ["lm_head.weight"],
+                "AutoMapping",
+                pad_vocab(hf["lm_head.weight"]),
+                tp=tp,
+            )
+        )
     return params
 
 
@@ -215,8 +342,15 @@ def _stage_of(param: MegatronParam, spec: ModelSpec, pp: int) -> int:
     return 0 if param.name.startswith("embedding.") else pp - 1
 
 
-def publish(spec: ModelSpec, layout: SourceLayout, *, seed: int = 0, drop: set[str] = frozenset(),
-            drop_sources: set[str] = frozenset(), gaps: bool = True) -> Published:
+def publish(
+    spec: ModelSpec,
+    layout: SourceLayout,
+    *,
+    seed: int = 0,
+    drop: set[str] = frozenset(),
+    drop_sources: set[str] = frozenset(),
+    gaps: bool = True,
+) -> Published:
     """Cut native shards per source rank and lay them out in fake per-source memory.
 
     ``drop`` removes descriptors by Megatron name (every source); ``drop_sources`` removes whole
@@ -249,41 +383,78 @@ def publish(spec: ModelSpec, layout: SourceLayout, *, seed: int = 0, drop: set[s
                         hf_map_all[prm.name] = {"hf": prm.hf, "mapping": prm.mapping}
                     if prm.name in drop:
                         continue
-                    descs.append(TensorDescriptor(
-                        name=prm.name, dtype=str(prm.tensor.dtype).removeprefix("torch."),
-                        global_shape=tuple(prm.tensor.shape), local_shape=tuple(local.shape), addr=base + offset,
-                        nbytes=raw.numel(), role=prm.role, shard_axis=axis, shard_offset=off,
-                        extras={**extras, **({"expert_id": prm.expert} if prm.expert is not None else {})}))
+                    descs.append(
+                        TensorDescriptor(
+                            name=prm.name,
+                            dtype=str(prm.tensor.dtype).removeprefix("torch."),
+                            global_shape=tuple(prm.tensor.shape),
+                            local_shape=tuple(local.shape),
+                            addr=base + offset,
+                            nbytes=raw.numel(),
+                            role=prm.role,
+                            shard_axis=axis,
+                            shard_offset=off,
+                            extras={
+                                **extras,
+                                **({"expert_id": prm.expert} if prm.expert is not None else {}),
+                            },
+                        )
+                    )
                     chunks.append(torch.zeros(offset - filled, dtype=torch.uint8))
                     chunks.append(raw)
                     offset = filled = offset + raw.numel()
                 if sid in drop_sources:
                     continue
                 memory[sid] = (base, torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8))
-                mesh = MeshPosition(tp_rank=tp, tp_size=layout.tp, pp_rank=pp, pp_size=layout.pp,
-                                    ep_rank=ep, ep_size=layout.ep)
+                mesh = MeshPosition(
+                    tp_rank=tp,
+                    tp_size=layout.tp,
+                    pp_rank=pp,
+                    pp_size=layout.pp,
+                    ep_rank=ep,
+                    ep_size=layout.ep,
+                )
                 sources.append(SourceInfo(sid, mesh, f"agent-{sid}", b"", tuple(descs), ready=True))
     config = {
-        "num_layers": spec.layers, "hidden_size": spec.hidden, "num_attention_heads": spec.heads,
-        "num_query_groups": spec.groups, "kv_channels": spec.head_dim, "ffn_hidden_size": spec.ffn,
-        "moe_ffn_hidden_size": spec.moe_ffn, "num_moe_experts": spec.experts or None, "vocab_size": spec.vocab,
-        "padded_vocab_size": padded_vocab(spec.vocab, layout.tp), "tie_word_embeddings": spec.tie,
+        "num_layers": spec.layers,
+        "hidden_size": spec.hidden,
+        "num_attention_heads": spec.heads,
+        "num_query_groups": spec.groups,
+        "kv_channels": spec.head_dim,
+        "ffn_hidden_size": spec.ffn,
+        "moe_ffn_hidden_size": spec.moe_ffn,
+        "num_moe_experts": spec.experts or None,
+        "vocab_size": spec.vocab,
+        "padded_vocab_size": padded_vocab(spec.vocab, layout.tp),
+        "tie_word_embeddings": spec.tie,
     }
     # The name map in Bridge task order (merged across sources the way the catalog does).
     ordered = {p.name: hf_map_all[p.name] for p in params if p.name in hf_map_all}
-    version = VersionInfo(model=spec.name, version=7, state=VersionState.READY, expected_sources=len(sources),
-                          sources=tuple(sources), sidecar={"megatron.config": config, "megatron.hf_map": ordered})
+    version = VersionInfo(
+        model=spec.name,
+        version=7,
+        state=VersionState.READY,
+        expected_sources=len(sources),
+        sources=tuple(sources),
+        sidecar={"megatron.config": config, "megatron.hf_map": ordered},
+    )
     return Published(version, memory, hf, params)
 
 
-def _shard(prm: MegatronParam, rank: int, layout: SourceLayout) -> tuple[torch.Tensor, int, int, dict[str, int]]:
+def _shard(
+    prm: MegatronParam, rank: int, layout: SourceLayout
+) -> tuple[torch.Tensor, int, int, dict[str, int]]:
     full, t = prm.tensor, prm.tp
     if prm.role is Role.REPLICATED:
         return full, -1, 0, {}
     axis = 1 if prm.role in (Role.ROW, Role.EXPERT_ROW) else 0
     if t == 1:
-        return full, (axis if layout.axis0_when_unsplit else -1), 0, ({"tp_rank": 0, "tp_size": 1}
-                                                                      if layout.axis0_when_unsplit else {})
+        return (
+            full,
+            (axis if layout.axis0_when_unsplit else -1),
+            0,
+            ({"tp_rank": 0, "tp_size": 1} if layout.axis0_when_unsplit else {}),
+        )
     local = torch.chunk(full, t, dim=axis)[rank]
     return local, axis, rank * local.shape[axis], {"tp_rank": rank, "tp_size": t}
 
@@ -304,7 +475,9 @@ def execute(plan: Any, memory: dict[str, tuple[int, torch.Tensor]]) -> torch.Ten
     return arena
 
 
-def expected_window(name: str, full: torch.Tensor, spec: ModelSpec, target: TargetLayout) -> torch.Tensor | None:
+def expected_window(
+    name: str, full: torch.Tensor, spec: ModelSpec, target: TargetLayout
+) -> torch.Tensor | None:
     """What a vLLM-style receiver holds of HF tensor ``name`` (None: not this worker's expert)."""
     expert = _hf_expert(name)
     if expert is not None and target.ep_size > 1:
@@ -350,11 +523,17 @@ def check(plan: Any, published: Published, spec: ModelSpec, target: TargetLayout
     arena = execute(plan, published.memory)
     got = dict(plan.materialize(arena))
     assert len(got) == plan.tensors == len(plan.hf_names)
-    expected = {n: w for n, full in published.hf.items() if (w := expected_window(n, full, spec, target)) is not None}
+    expected = {
+        n: w for n, full in published.hf.items() if (w := expected_window(n, full, spec, target)) is not None
+    }
     assert set(got) == set(expected), (sorted(set(expected) - set(got)), sorted(set(got) - set(expected)))
     for name, want in expected.items():
         have = got[name]
-        assert have.dtype == want.dtype and tuple(have.shape) == tuple(want.shape), (name, have.shape, want.shape)
+        assert have.dtype == want.dtype and tuple(have.shape) == tuple(want.shape), (
+            name,
+            have.shape,
+            want.shape,
+        )
         assert torch.equal(have.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), name
     assert plan.bytes_needed == sum(w.numel() * w.element_size() for w in expected.values())
     return got

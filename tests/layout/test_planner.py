@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mx_refit.layout.planner import MegatronReceivePlan, describe_plan, plan_receive
 from mx_refit.types import TargetLayout
+
 from tests.layout._planner_harness import ModelSpec, SourceLayout, check, publish
 
 SPECS = {
@@ -22,12 +22,17 @@ SPECS = {
     "qwen2_bias_tied_fp32": ModelSpec("qwen2", qkv_bias=True, tie=True, dtype=torch.float32),
     "qwen3_qknorm": ModelSpec("qwen3", heads=8, groups=4, head_dim=4, qk_norm=True),
     "moe4": ModelSpec("moe4", experts=4, qk_norm=True),
-    "moe8_sequential": ModelSpec("moe8", experts=8, moe_ffn=8, heads=8, groups=2, head_dim=4, sequential_experts=True),
+    "moe8_sequential": ModelSpec(
+        "moe8", experts=8, moe_ffn=8, heads=8, groups=2, head_dim=4, sequential_experts=True
+    ),
 }
 DENSE_LAYOUTS = [SourceLayout(tp=tp, pp=pp) for tp in (1, 2, 4) for pp in (1, 2)]
 MOE_LAYOUTS = [
     SourceLayout(tp=tp, pp=pp, ep=ep, etp=etp)
-    for tp in (1, 2, 4) for pp in (1, 2) for ep in (1, 2) for etp in sorted({1, tp})
+    for tp in (1, 2, 4)
+    for pp in (1, 2)
+    for ep in (1, 2)
+    for etp in sorted({1, tp})
 ]
 
 
@@ -38,8 +43,10 @@ def targets(spec: ModelSpec) -> list[TargetLayout]:
         for e in range(ep):
             out.append(TargetLayout(ep_rank=e, ep_size=ep, full_tensors=True))
             for tp in (1, 2, 4):
-                out.extend(TargetLayout(tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep, full_tensors=False)
-                           for t in range(tp))
+                out.extend(
+                    TargetLayout(tp_rank=t, tp_size=tp, ep_rank=e, ep_size=ep, full_tensors=False)
+                    for t in range(tp)
+                )
     return out
 
 
@@ -64,7 +71,7 @@ def run_matrix(spec: ModelSpec, layout: SourceLayout) -> None:
         plan = plan_receive(published.version, target)
         check(plan, published, spec, target)
         assert_bytes(plan, layout, target)
-        if not plan.bytes_pulled == plan.bytes_needed:
+        if plan.bytes_pulled != plan.bytes_needed:
             # The per-row alternative moves exactly the needed bytes (and lands them in place).
             exact = plan_receive(published.version, target, row_slice_options={"force": "rows"})
             check(exact, published, spec, target)
@@ -131,7 +138,13 @@ def test_replicated_tensors_are_read_once_and_spread() -> None:
     for t in range(4):
         p = plan_receive(published.version, TargetLayout(tp_rank=t, tp_size=4, full_tensors=False))
         spec_ = next(s for s in p.tensor_specs() if s.name == "model.norm.weight")
-        norm_sources.add(next(op.source_id for op in p.reads if op.local_offset <= spec_.offset < op.local_offset + op.nbytes))
+        norm_sources.add(
+            next(
+                op.source_id
+                for op in p.reads
+                if op.local_offset <= spec_.offset < op.local_offset + op.nbytes
+            )
+        )
     assert len(norm_sources) > 1
 
 
@@ -173,8 +186,9 @@ def test_unmapped_descriptors_are_reported_not_planned() -> None:
     published = publish(SPECS["gqa"], SourceLayout(tp=1))
     hf_map = dict(published.version.sidecar["megatron.hf_map"])
     del hf_map["decoder.final_layernorm.weight"]
-    version = published.version.__class__(**{**published.version.__dict__,
-                                            "sidecar": {**published.version.sidecar, "megatron.hf_map": hf_map}})
+    version = published.version.__class__(
+        **{**published.version.__dict__, "sidecar": {**published.version.sidecar, "megatron.hf_map": hf_map}}
+    )
     plan = plan_receive(version, TargetLayout())
     assert plan.unmapped == ["decoder.final_layernorm.weight"]
     assert "model.norm.weight" not in plan.hf_names

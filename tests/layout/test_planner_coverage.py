@@ -6,15 +6,15 @@ import dataclasses
 
 import pytest
 import torch
-
 from mx_refit.errors import CoverageError, InvalidArgument
 from mx_refit.layout.planner import plan_receive
 from mx_refit.types import Role, TargetLayout, VersionInfo
+
 from tests.layout._planner_harness import ModelSpec, SourceLayout, check, publish
 
 GQA = ModelSpec("gqa", heads=4, groups=2)  # head_dim 8: q rows 32, k/v rows 16
 MOE = ModelSpec("moe", experts=4)
-SLICE = dict(full_tensors=False)
+SLICE = {"full_tensors": False}
 
 
 def with_sidecar(version: VersionInfo, **changes: object) -> VersionInfo:
@@ -33,7 +33,10 @@ def test_missing_tp_rank_lists_every_gap_once() -> None:
     assert gaps["model.layers.0.mlp.up_proj.weight"].startswith("rows [24, 48)")
     assert gaps["model.embed_tokens.weight"].startswith("rows [32, 50)")  # padding is not needed
     split = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    expected = {n for n in published.hf if any(s in n for s in split)} | {"model.embed_tokens.weight", "lm_head.weight"}
+    expected = {n for n in published.hf if any(s in n for s in split)} | {
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    }
     assert set(gaps) == expected and len(info.value.gaps) == len(expected)
     assert "model.layers.1.mlp.down_proj.weight" in str(info.value)
 
@@ -84,7 +87,10 @@ def test_missing_ep_rank_detected_without_its_name_map() -> None:
         plan_receive(published.version, TargetLayout())
     missing = sorted(g[0] for g in info.value.gaps)
     assert missing == sorted(
-        f"decoder.layers.{layer}.mlp.experts.linear_fc{fc}.weight{e}" for layer in (0, 1) for fc in (1, 2) for e in (2, 3)
+        f"decoder.layers.{layer}.mlp.experts.linear_fc{fc}.weight{e}"
+        for layer in (0, 1)
+        for fc in (1, 2)
+        for e in (2, 3)
     )
     owner_of_survivors = TargetLayout(ep_rank=0, ep_size=2)
     check(plan_receive(published.version, owner_of_survivors), published, MOE, owner_of_survivors)
@@ -102,8 +108,10 @@ def test_missing_pipeline_stage_detected_without_its_name_map() -> None:
 def test_tied_output_layer_is_not_needed() -> None:
     tied = dataclasses.replace(GQA, tie=True)
     published = publish(tied, SourceLayout(tp=2))
-    hf_map = {**published.version.sidecar["megatron.hf_map"],
-              "output_layer.weight": {"hf": ["lm_head.weight"], "mapping": "AutoMapping"}}
+    hf_map = {
+        **published.version.sidecar["megatron.hf_map"],
+        "output_layer.weight": {"hf": ["lm_head.weight"], "mapping": "AutoMapping"},
+    }
     plan = plan_receive(with_sidecar(published.version, **{"megatron.hf_map": hf_map}), TargetLayout())
     assert "lm_head.weight" not in plan.hf_names
     untied_config = {**published.version.sidecar["megatron.config"], "tie_word_embeddings": False}
@@ -142,8 +150,13 @@ def test_malformed_inputs_are_refused() -> None:
     # A gated shard whose extras claim a TP size its geometry contradicts.
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
     sources = tuple(
-        dataclasses.replace(s, tensors=tuple(
-            dataclasses.replace(d, extras={**d.extras, "tp_size": 4}) if d.name == fc1 else d for d in s.tensors))
+        dataclasses.replace(
+            s,
+            tensors=tuple(
+                dataclasses.replace(d, extras={**d.extras, "tp_size": 4}) if d.name == fc1 else d
+                for d in s.tensors
+            ),
+        )
         for s in version.sources
     )
     with pytest.raises(InvalidArgument, match="tp_size=4 disagrees"):
@@ -157,9 +170,15 @@ def test_roles_must_match_their_mapping() -> None:
     published = publish(GQA, SourceLayout(tp=1))
     version = published.version
     sources = tuple(
-        dataclasses.replace(s, tensors=tuple(
-            dataclasses.replace(d, role=Role.QKV_COLUMN) if d.name == "decoder.final_layernorm.weight" else d
-            for d in s.tensors))
+        dataclasses.replace(
+            s,
+            tensors=tuple(
+                dataclasses.replace(d, role=Role.QKV_COLUMN)
+                if d.name == "decoder.final_layernorm.weight"
+                else d
+                for d in s.tensors
+            ),
+        )
         for s in version.sources
     )
     with pytest.raises(InvalidArgument, match="qkv_column"):

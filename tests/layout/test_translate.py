@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from mx_refit.layout.bands import (
     gated_bands,
     identity_bands,
@@ -35,14 +34,16 @@ QKV_CONFIGS = [(4, 4, 8, 32), (8, 2, 4, 32), (8, 1, 4, 32), (6, 3, 10, 24)]
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )
 
 
 @pytest.fixture(scope="module")
 def pm(bridge: Any) -> Any:
-    import megatron.bridge.models.conversion.param_mapping as param_mapping
+    from megatron.bridge.models.conversion import param_mapping
 
     return param_mapping
 
@@ -96,9 +97,15 @@ def test_receiver_windows() -> None:
 
 @pytest.mark.parametrize("h,g,d,hidden", QKV_CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_split_and_merge_qkv_match_bridge(pm: Any, h: int, g: int, d: int, hidden: int, dtype: torch.dtype) -> None:
+def test_split_and_merge_qkv_match_bridge(
+    pm: Any, h: int, g: int, d: int, hidden: int, dtype: torch.dtype
+) -> None:
     cfg = _cfg(h, g, d, hidden)
-    q, k, v = torch.randn(h * d, hidden).to(dtype), torch.randn(g * d, hidden).to(dtype), torch.randn(g * d, hidden).to(dtype)
+    q, k, v = (
+        torch.randn(h * d, hidden).to(dtype),
+        torch.randn(g * d, hidden).to(dtype),
+        torch.randn(g * d, hidden).to(dtype),
+    )
     fused = pm.merge_qkv_weights(cfg, q, k, v)
     assert same_bytes(merge_qkv(q, k, v, h, g, d), fused)
     for ours, theirs in zip(split_qkv(fused, h, g, d), pm.split_qkv_weights(cfg, fused), strict=True):
@@ -119,7 +126,9 @@ def test_qkv_shards_cutting_through_groups(pm: Any, h: int, g: int, d: int, hidd
     if rows % tp:
         pytest.skip("Megatron splits evenly")
     cfg = _cfg(h, g, d, hidden)
-    fused = pm.merge_qkv_weights(cfg, torch.randn(h * d, hidden), torch.randn(g * d, hidden), torch.randn(g * d, hidden))
+    fused = pm.merge_qkv_weights(
+        cfg, torch.randn(h * d, hidden), torch.randn(g * d, hidden), torch.randn(g * d, hidden)
+    )
     want = pm.split_qkv_weights(cfg, fused)
     outs = [torch.full_like(w, float("nan")) for w in want]
     bands = qkv_bands(h, g, d)
@@ -157,8 +166,9 @@ def test_split_gated_matches_bridge_export(pm: Any, tp: int) -> None:
     gate, up = torch.randn(16, 12).to(torch.bfloat16), torch.randn(16, 12).to(torch.bfloat16)
     fused = merge_gated(gate, up, tp)
     shards = list(torch.chunk(fused, tp, dim=0))
-    got = _bridge_export(pm, "GatedMLPMapping", shards, "decoder.layers.0.mlp.linear_fc1.weight",
-                         {"gate": "g", "up": "u"})
+    got = _bridge_export(
+        pm, "GatedMLPMapping", shards, "decoder.layers.0.mlp.linear_fc1.weight", {"gate": "g", "up": "u"}
+    )
     ours = split_gated(fused, tp)
     assert same_bytes(ours[0], got["g"]) and same_bytes(ours[1], got["u"])
     assert same_bytes(ours[0], gate) and same_bytes(ours[1], up)
@@ -172,8 +182,13 @@ def test_split_gated_matches_bridge_export(pm: Any, tp: int) -> None:
 def test_row_parallel_matches_bridge_export(pm: Any, tp: int) -> None:
     full = torch.randn(6, 16).to(torch.bfloat16)
     shards = list(torch.chunk(full, tp, dim=1))
-    got = _bridge_export(pm, "RowParallelMapping", [s.contiguous() for s in shards],
-                         "decoder.layers.0.self_attention.linear_proj.weight", "o")
+    got = _bridge_export(
+        pm,
+        "RowParallelMapping",
+        [s.contiguous() for s in shards],
+        "decoder.layers.0.self_attention.linear_proj.weight",
+        "o",
+    )
     assert same_bytes(gather_row_parallel(shards), got["o"])
     out = torch.empty(6, 8, dtype=torch.bfloat16)  # columns [4, 12): parts of several shards
     blocks = []

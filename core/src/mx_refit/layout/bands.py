@@ -17,7 +17,8 @@ tensors in a few milliseconds and tests can check it exhaustively.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 __all__ = [
     "Band",
@@ -179,7 +180,9 @@ def kv_rows_window(num_groups: int, head_dim: int, tp_size: int, tp_rank: int) -
     return head * head_dim, (head + 1) * head_dim
 
 
-def vocab_window(vocab_size: int, tp_size: int, tp_rank: int, padding: int = VLLM_VOCAB_PADDING) -> tuple[int, int]:
+def vocab_window(
+    vocab_size: int, tp_size: int, tp_rank: int, padding: int = VLLM_VOCAB_PADDING
+) -> tuple[int, int]:
     """HF vocabulary rows a vLLM TP rank holds: the padded vocabulary split evenly, clipped to
     the real vocabulary (the last rank holds fewer real rows; the engine pads the rest)."""
     padded = -(-vocab_size // padding) * padding

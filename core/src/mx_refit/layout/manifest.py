@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from mx_refit.errors import InvalidArgument
@@ -39,6 +40,7 @@ HF_MAP_KEY = "megatron.hf_map"
 Slot = tuple[tuple[str, ...], tuple[TensorDescriptor, ...]]
 
 _NAME = attrgetter("name")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class MegatronConfig:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_sidecar(cls, sidecar: Mapping[str, Any]) -> "MegatronConfig":
+    def from_sidecar(cls, sidecar: Mapping[str, Any]) -> MegatronConfig:
         raw = sidecar.get(CONFIG_KEY)
         if not isinstance(raw, Mapping):
             raise InvalidArgument(f"sidecar[{CONFIG_KEY!r}]: expected a mapping, got {type(raw).__name__}")
@@ -84,7 +86,9 @@ def check_target(target: TargetLayout, cfg: MegatronConfig) -> None:
         if size < 1 or not 0 <= rank < size:
             raise InvalidArgument(f"target.{axis}_rank/{axis}_size: {rank}/{size} is not a valid rank")
     if target.ep_size > 1 and (not cfg.num_moe_experts or cfg.num_moe_experts % target.ep_size):
-        raise InvalidArgument(f"target.ep_size: {target.ep_size} does not divide num_moe_experts={cfg.num_moe_experts}")
+        raise InvalidArgument(
+            f"target.ep_size: {target.ep_size} does not divide num_moe_experts={cfg.num_moe_experts}"
+        )
 
 
 def group_sources(version: VersionInfo) -> list[tuple[tuple[str, ...], list[SourceInfo], tuple[str, ...]]]:
@@ -112,7 +116,7 @@ def index_descriptors(version: VersionInfo) -> dict[str, list[Slot]]:
 
 def merge_replicas(pairs: list[Slot]) -> Slot:
     """One candidate set out of several groups' replicas of an unsplit tensor."""
-    return tuple(s for sids, _ in pairs for s in sids), tuple(d for _, descs in pairs for d in descs)
+    return tuple(chain.from_iterable(map(_FIRST, pairs))), tuple(chain.from_iterable(map(_SECOND, pairs)))
 
 
 def split_slots(pairs: list[Slot]) -> tuple[list[Slot], tuple[tuple[int, tuple[int, ...]], ...]]:
@@ -135,7 +139,9 @@ def hf_names(mname: str, entry: Any) -> list[str]:
     """The HF names of one name-map entry (``{"hf": [...], ...}`` or a bare list), validated."""
     names = entry.get("hf") if isinstance(entry, Mapping) else entry
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
-        raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: expected a non-empty list of HF names, got {entry!r}")
+        raise InvalidArgument(
+            f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: expected a non-empty list of HF names, got {entry!r}"
+        )
     return list(names)
 
 

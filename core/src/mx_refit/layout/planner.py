@@ -22,25 +22,13 @@ MoE sets expert TP to 1; with EP == 1 experts are TP-sliced like a dense MLP.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from itertools import accumulate, chain, repeat
 from operator import attrgetter, itemgetter, setitem
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 from mx_refit.errors import CoverageError, InvalidArgument
-from mx_refit.layout.bands import (
-    Window,
-    gated_bands,
-    identity_bands,
-    kv_rows_window,
-    qkv_bands,
-    split_window,
-    vocab_window,
-)
 from mx_refit.layout.manifest import (
     CONFIG_KEY,
     HF_MAP_KEY,
@@ -48,19 +36,23 @@ from mx_refit.layout.manifest import (
     Slot,
     check_target,
     expert_family,
-    hf_names,
     group_sources,
+    hf_names,
     layer_of,
     merge_replicas,
     parse_expert_id,
     split_slots,
 )
-from mx_refit.layout.templates import Template, columns_template, rows_template
-from mx_refit.layout.translate import place_column_blocks
-from mx_refit.types import ReadOp, Role, TargetLayout, TensorDescriptor, VersionInfo
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+from mx_refit.layout.receive_plan import (
+    Entry,
+    MegatronReceivePlan,
+    TensorSpec,
+    describe_plan,
+    gc_paused,
+    read_ops,
+)
+from mx_refit.layout.templates import Template, build_template
+from mx_refit.types import Role, TargetLayout, TensorDescriptor, VersionInfo
 
 __all__ = [
     "CONFIG_KEY",
@@ -76,92 +68,11 @@ STICKY_BYTES = 64 << 20  # replica round-robin chunk (by address): neighbours co
 
 _EXPERT_COLUMN, _EXPERT_ROW = Role.EXPERT_COLUMN, Role.EXPERT_ROW
 _COLUMN, _REPLICATED, _VOCAB = Role.COLUMN, Role.REPLICATED, Role.VOCAB_PARALLEL
-_EXPERT_ROLES = (_EXPERT_COLUMN, _EXPERT_ROW)
 _VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
-_IDENTITY, _QKV, _GATED = 1, 3, 2  # transform kinds = number of HF outputs
 _SIG = attrgetter("role", "global_shape", "dtype", "shard_axis", "local_shape")  # family key, C-level
 _ADDR = attrgetter("addr")
 _TEMPLATE = itemgetter(1)
 _REGION = attrgetter("region")
-_EXPECTED_OUTPUTS = {Role.QKV_COLUMN: _QKV, Role.GATED_MLP_COLUMN: _GATED, Role.EXPERT_COLUMN: _GATED}
-
-
-class TensorSpec(NamedTuple):
-    """Where one HF tensor (or window) sits in the arena and how it is finished."""
-
-    name: str
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    copies: int  # staged blocks placed with a local strided copy (0: a pure view)
-
-
-# One Megatron tensor in the plan: [arena base of its region, template, HF names, dtype, role,
-# (source id, descriptor address) per shard slot]. A list: the base is set in the second pass.
-_Entry = list[Any]
-
-
-@dataclass
-class MegatronReceivePlan:
-    """A :class:`mx_refit.plan.ReceivePlan` for Megatron-published shards (see module docs)."""
-
-    reads: list[ReadOp]
-    arena_bytes: int
-    bytes_needed: int
-    bytes_by_role: dict[str, tuple[int, int]]
-    tensors: int  # how many HF tensors ``materialize`` yields
-    unmapped: list[str] = field(default_factory=list)  # published names absent from the HF map
-    _entries: list[_Entry] = field(default_factory=list, repr=False)
-
-    @property
-    def hf_names(self) -> list[str]:
-        """Every HF name ``materialize`` yields, in its order."""
-        return list(chain.from_iterable(map(itemgetter(2), self._entries)))
-
-    @property
-    def bytes_pulled(self) -> int:
-        return sum(pulled for pulled, _ in self.bytes_by_role.values())
-
-    def tensor_specs(self) -> Iterator[TensorSpec]:
-        """Every output's arena placement, without touching memory (bookkeeping, verify)."""
-        make = TensorSpec._make
-        for entry in self._entries:
-            base, tpl, names, dtype = entry[0], entry[1], entry[2], entry[3]
-            for name, out in zip(names, tpl.outs):
-                yield make((name, base + out.rel, out.nbytes, out.shape, dtype, len(out.copies)))
-
-    def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Yield ``(hf_name, tensor)`` for every planned tensor once the reads have landed.
-
-        Tensors are views of ``arena`` (a 1-D uint8 tensor of at least ``arena_bytes``); staged
-        row-parallel blocks are first copied into place, once.
-        """
-        import torch
-
-        if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.numel() < self.arena_bytes:
-            raise InvalidArgument(
-                f"arena: expected a 1-D uint8 tensor of >= {self.arena_bytes} bytes, got "
-                f"{arena.dtype} {tuple(arena.shape)}"
-            )
-        dtypes: dict[str, torch.dtype] = {}
-        origin = arena.storage_offset()
-        for entry in self._entries:
-            base, tpl, names, dtype = entry[0], entry[1], entry[2], entry[3]
-            tdtype = dtypes.get(dtype)
-            if tdtype is None:
-                tdtype = dtypes[dtype] = getattr(torch, dtype)
-            for name, out in zip(names, tpl.outs):
-                start = base + out.rel
-                region = arena[start : start + out.nbytes]
-                if out.copies:
-                    rows = out.shape[0]
-                    blocks = [
-                        (c.dst_col, arena.as_strided((c.rows, c.width), (c.row_stride, 1), origin + base + c.landing))
-                        for c in out.copies
-                    ]
-                    place_column_blocks(region.view(rows, out.nbytes // rows), blocks)
-                yield name, region.view(tdtype).view(out.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,15 +101,8 @@ def plan_receive(
     :raises InvalidArgument: a malformed sidecar, an inconsistent descriptor or an unsupported
         target (e.g. a TP size that does not divide the heads).
     """
-    # Planning allocates tens of thousands of small containers and frees none: without this,
-    # the cyclic GC would rescan the whole manifest several times (about 10% of the time).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _Planner(version, target, row_slice_options, sticky_bytes).run()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 class _Planner:
@@ -225,6 +129,8 @@ class _Planner:
         self.templates: dict[tuple[Any, ...], Template] = {}
         self.template_roles: dict[int, Role] = {}  # id(template) -> role, for bytes_by_role
         self.template_uses: dict[int, int] = {}  # id(template) -> tensors planned with it
+        # Group position layouts seen so far: len -> ((sigs, mapped, shared), families, general).
+        self.partitions: dict[int, tuple[Any, dict[tuple[Any, ...], list[int]], list[int]]] = {}
         self.gaps: list[tuple[str, str]] = []
         self.expert_families: dict[str, int] = {}  # "name with id {E}" -> 0, learned from one id
         self.experts_seen = 0
@@ -232,7 +138,7 @@ class _Planner:
         self.order: dict[str, int] = {}
         self.rotation = 0
         self.replica_state: dict[tuple[str, ...], list[int]] = {}
-        self.entries: list[_Entry] = []
+        self.entries: list[Entry] = []
         self.keys: list[int] = []
         self.produced: set[str] = set()
 
@@ -246,7 +152,7 @@ class _Planner:
         self.order = {sid: i for i, sid in enumerate(sorted(s.source_id for s in version.sources))}
         self.rotation = self.target.ep_rank * self.target.tp_size + self.target.tp_rank
         self.replica_state: dict[tuple[str, ...], list[int]] = {}
-        self.entries: list[_Entry] = []
+        self.entries: list[Entry] = []
         self.keys: list[int] = []  # arena order: (source rank, remote address) of each tensor
         self.produced: set[str] = set()
         general: dict[str, list[Slot]] = {}  # names planned one by one, with their (sids, descs)
@@ -288,23 +194,44 @@ class _Planner:
         """
         first_tensors = members[0].tensors
         entries = list(map(self.hf_map.get, names))
-        families: dict[tuple[Any, ...], list[int]] = {}
-        get = families.get
-        for i, (name, entry, sig) in enumerate(zip(names, entries, map(_SIG, first_tensors))):
-            if entry is None:
-                continue  # not in the name map: reported as unmapped
-            if sig[3] >= 0 or name in shared:
-                general.setdefault(name, []).append((sids, tuple(m.tensors[i] for m in members)))
-                continue
-            family = get(sig)
-            if family is None:
-                families[sig] = family = []
-            family.append(i)
-        addrs: list[list[int]] = []  # per member, C-level, built on first need
+        sigs = list(map(_SIG, first_tensors))
+        # Groups of one model (e.g. the EP ranks) usually share the exact position layout: reuse
+        # the partition into families instead of re-hashing every signature (C-level compares).
+        mapped = list(map(None.__ne__, entries))
+        in_shared = list(map(shared.__contains__, names)) if shared else None
+        layout_key = (sigs, mapped, in_shared)
+        cached = self.partitions.get(len(names))
+        if cached is not None and cached[0] == layout_key:
+            families, general_positions = cached[1], cached[2]
+        else:
+            families = {}
+            general_positions = []
+            get = families.get
+            for i, sig in enumerate(sigs):
+                if not mapped[i]:
+                    continue  # not in the name map: reported as unmapped
+                if sig[3] >= 0 or (in_shared is not None and in_shared[i]):
+                    general_positions.append(i)
+                    continue
+                family = get(sig)
+                if family is None:
+                    families[sig] = family = []
+                family.append(i)
+            self.partitions[len(names)] = (layout_key, families, general_positions)
+        if general_positions:
+            setdefault = general.setdefault
+            if len(members) == 1:
+                for i in general_positions:
+                    setdefault(names[i], []).append((sids, (first_tensors[i],)))
+            else:
+                member_tensors = [m.tensors for m in members]
+                for i in general_positions:
+                    setdefault(names[i], []).append((sids, tuple([t[i] for t in member_tensors])))
+        first_addrs: list[int] = []  # C-level, built on first need
         for sig, positions in families.items():
-            if not addrs:
-                addrs = [list(map(_ADDR, m.tensors)) for m in members]
-            self._plan_family(sig, positions, names, entries, first_tensors, sids, members, addrs)
+            if not first_addrs:
+                first_addrs = list(map(_ADDR, first_tensors))
+            self._plan_family(sig, positions, names, entries, first_tensors, sids, members, first_addrs)
 
     def _plan_family(
         self,
@@ -315,7 +242,7 @@ class _Planner:
         first_tensors: tuple[TensorDescriptor, ...],
         sids: tuple[str, ...],
         members: list[Any],
-        addrs: list[list[int]],
+        first_addrs: list[int],
     ) -> None:
         """Plan a family: unsplit tensors of one group with one geometry (e.g. every expert fc1
         of every layer). Everything per tensor runs in C-level map/zip except the final rows."""
@@ -345,10 +272,16 @@ class _Planner:
             hf = []
         kinds = {len(x) for x in hf} if hf and {type(x) for x in hf} == {list} else set()
         flat = list(chain.from_iterable(hf)) if len(kinds) == 1 else []
-        if len(kinds) != 1 or len(set(flat)) != len(flat) or not self.produced.isdisjoint(flat):
-            # Unusual family (mixed mappings, duplicate names, bad entries): one by one.
+        produced = self.produced
+        if len(kinds) != 1 or not produced.isdisjoint(flat):
+            # Unusual family (mixed mappings, names received already, bad entries): one by one.
             return self._one_by_one(positions, names, entries, sids, members)
-        self.produced.update(flat)
+        before = len(produced)
+        produced.update(flat)
+        if len(produced) - before != len(flat):
+            raise InvalidArgument(
+                f"sidecar[{HF_MAP_KEY!r}]: an HF name appears twice among {names[positions[0]]!r}'s kind"
+            )
         (kind,) = kinds
         key = (kind, role, gshape, dtype, -1, lshape, vocab_like)
         tpl = self.templates.get(key)
@@ -364,14 +297,14 @@ class _Planner:
         # Replica per tensor (see _replica), vectorised over the family.
         n = len(sids)
         if n == 1:
-            sid, member_addrs = sids[0], addrs[0]
-            chosen_addrs = [member_addrs[i] for i in positions]
+            sid = sids[0]
+            chosen_addrs = [first_addrs[i] for i in positions]
             rank = self.order[sid] << 64
             self.keys += [rank + a for a in chosen_addrs]
             self.entries += [[0, tpl, h, dtype, role, ((sid, a),)] for h, a in zip(hf, chosen_addrs)]
             return
         if self.sticky_bytes:
-            chunk, rot, first_addrs = self.sticky_bytes, self.rotation, addrs[0]
+            chunk, rot = self.sticky_bytes, self.rotation
             picks = [(rot + first_addrs[i] // chunk) % n for i in positions]
         else:
             state = self.replica_state.setdefault(sids, [0])
@@ -379,12 +312,20 @@ class _Planner:
             picks = [(start + k) % n for k in range(len(positions))]
             state[0] += len(positions)
         ranks = [self.order[sid] << 64 for sid in sids]
-        chosen_addrs = [addrs[j][i] for j, i in zip(picks, positions)]
+        tensors = [m.tensors for m in members]
+        chosen_addrs = [tensors[j][i].addr for j, i in zip(picks, positions)]
         self.keys += [ranks[j] + a for j, a in zip(picks, chosen_addrs)]
-        self.entries += [[0, tpl, h, dtype, role, ((sids[j], a),)] for h, j, a in zip(hf, picks, chosen_addrs)]
+        self.entries += [
+            [0, tpl, h, dtype, role, ((sids[j], a),)] for h, j, a in zip(hf, picks, chosen_addrs)
+        ]
 
     def _one_by_one(
-        self, positions: list[int], names: tuple[str, ...], entries: list[Any], sids: tuple[str, ...], members: list[Any]
+        self,
+        positions: list[int],
+        names: tuple[str, ...],
+        entries: list[Any],
+        sids: tuple[str, ...],
+        members: list[Any],
     ) -> None:
         for i in positions:
             self._plan_one(names[i], entries[i], [(sids, tuple(m.tensors[i] for m in members))])
@@ -419,23 +360,42 @@ class _Planner:
             if eid == self.owned[0]:
                 self.expert_families[expert_family(mname)] = 0
         else:
-            vocab_like = role is _VOCAB or ((role is _COLUMN or role is _REPLICATED) and mname.endswith(_VOCAB_SUFFIXES))
+            vocab_like = role is _VOCAB or (
+                (role is _COLUMN or role is _REPLICATED) and mname.endswith(_VOCAB_SUFFIXES)
+            )
         produced = self.produced
         if not produced.isdisjoint(names):
             if produced.issuperset(names):
                 return  # every name already received (e.g. a tied output layer)
-            raise InvalidArgument(f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: HF names {names} partly produced twice")
+            raise InvalidArgument(
+                f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: HF names {names} partly produced twice"
+            )
         produced.update(names)
         axis = first.shard_axis
         if axis < 0:  # unsplit: one slot whose candidates are all replicas
             slots = [pairs[0] if len(pairs) == 1 else merge_replicas(pairs)]
             geometry: tuple[Any, ...] = ((0, tuple(first.local_shape)),)
-            key: tuple[Any, ...] = (len(names), role, first.global_shape, first.dtype, -1, first.local_shape,
-                                    vocab_like)
+            key: tuple[Any, ...] = (
+                len(names),
+                role,
+                first.global_shape,
+                first.dtype,
+                -1,
+                first.local_shape,
+                vocab_like,
+            )
         else:
             slots, geometry = split_slots(pairs)
-            key = (len(names), role, first.global_shape, first.dtype, axis, geometry, vocab_like,
-                   first.extras.get("tp_size"))
+            key = (
+                len(names),
+                role,
+                first.global_shape,
+                first.dtype,
+                axis,
+                geometry,
+                vocab_like,
+                first.extras.get("tp_size"),
+            )
         tpl = self.templates.get(key)
         if tpl is None:
             tpl = self.templates[key] = self._build_checked(mname, len(names), first, geometry, vocab_like)
@@ -455,7 +415,7 @@ class _Planner:
         self.entries.append([0, tpl, names, first.dtype, role, chosen])
         self.keys.append(sort_key)
 
-    def _layout(self, entries: list[_Entry], keys: list[int], unmapped: list[str]) -> MegatronReceivePlan:
+    def _layout(self, entries: list[Entry], keys: list[int], unmapped: list[str]) -> MegatronReceivePlan:
         """Pass 2: arena regions in (source, remote address) order, so consecutive tensors of one
         source are adjacent on both sides and their reads merge into one."""
         ordered = list(map(entries.__getitem__, sorted(range(len(entries)), key=keys.__getitem__)))
@@ -481,7 +441,7 @@ class _Planner:
             counters[1] += uses * tpl.needed
             tensors += uses * len(tpl.outs)
         return MegatronReceivePlan(
-            reads=_read_ops(raw),
+            reads=read_ops(raw),
             arena_bytes=max(bases[-1], 1),
             bytes_needed=sum(c[1] for c in by_role.values()),
             bytes_by_role={role: (c[0], c[1]) for role, c in by_role.items() if c[1] or c[0]},
@@ -494,87 +454,13 @@ class _Planner:
         self, mname: str, kind: int, desc: TensorDescriptor, geometry: tuple[Any, ...], vocab_like: bool
     ) -> Template:
         try:
-            return self._build(mname, kind, desc, geometry, vocab_like)
-        except ValueError as exc:
-            raise InvalidArgument(f"tensor {mname!r} ({desc.role.value}, {desc.global_shape}): {exc}") from exc
-
-    # -- templates -------------------------------------------------------------------------------
-    def _build(
-        self,
-        mname: str,
-        kind: int,
-        desc: TensorDescriptor,
-        geometry: tuple[tuple[int, tuple[int, ...]], ...],
-        vocab_like: bool,
-    ) -> Template:
-        role, gshape, axis = desc.role, tuple(desc.global_shape), desc.shard_axis
-        expected = _EXPECTED_OUTPUTS.get(role, _IDENTITY)
-        if kind != expected and not (role is Role.EXPERT_COLUMN and kind == _IDENTITY):
-            raise ValueError(f"role {role.value!r} maps to {expected} HF tensors, the sidecar lists {kind}")
-        if axis not in (-1, 0, 1) or (axis == 1 and len(gshape) != 2):
-            raise ValueError(f"unsupported shard_axis {axis} for a {len(gshape)}-D tensor")
-        for offset, local in geometry:
-            if len(local) != len(gshape) or any(
-                l != g for d, (l, g) in enumerate(zip(local, gshape)) if d != axis
-            ) or (axis >= 0 and offset + local[axis] > gshape[axis]):
-                raise ValueError(f"shard at offset {offset} of local shape {local} does not fit {gshape}")
-        cfg, tgt = self.cfg, self.target
-        sliced = not tgt.full_tensors
-        whole_experts = role in _EXPERT_ROLES and tgt.ep_size > 1  # vLLM EP: expert TP = 1
-
-        row_parallel = role in (Role.ROW, Role.EXPERT_ROW) and len(gshape) == 2
-        if axis == 1 or row_parallel:
-            if kind != _IDENTITY or not row_parallel:
-                raise ValueError("only 2-D row-parallel tensors may be split on dim 1")
-            cols = gshape[1]
-            lo, hi = (
-                split_window(cols, tgt.tp_size, tgt.tp_rank, what=f"{mname} columns")
-                if sliced and not whole_experts
-                else (0, cols)
+            return build_template(
+                mname, kind, desc, geometry, vocab_like, self.cfg, self.target, self.row_slice_options
             )
-            slots = [(o, l[1]) for o, l in geometry] if axis == 1 else [(0, cols)]
-            return columns_template(gshape, desc.itemsize, slots, Window(1, lo, hi), self.row_slice_options)
-
-        rows = gshape[0]
-        slots = [(o, l[0]) for o, l in geometry] if axis == 0 else [(0, rows)]
-        if kind == _QKV:
-            h, g, d = cfg.num_heads, cfg.num_groups, cfg.head_dim
-            bands = qkv_bands(h, g, d)
-            if rows != (h + 2 * g) * d:
-                raise ValueError(f"fused QKV rows {rows} != (heads {h} + 2 x groups {g}) x head_dim {d}")
-            full = (h * d, g * d, g * d)
-            if sliced:
-                if h % tgt.tp_size:
-                    raise ValueError(f"num_attention_heads={h} does not divide by target TP size {tgt.tp_size}")
-                kv = kv_rows_window(g, d, tgt.tp_size, tgt.tp_rank)
-                windows = [Window(0, *split_window(h * d, tgt.tp_size, tgt.tp_rank, what="q rows")),
-                           Window(0, *kv), Window(0, *kv)]
-            else:
-                windows = [Window(0, 0, n) for n in full]
-        elif kind == _GATED:
-            # The publishing TP: from the descriptor, never from how many sources exist.
-            tp = rows // geometry[0][1][0] if axis == 0 else 1
-            if axis == 0 and desc.extras.get("tp_size") not in (None, tp):
-                raise ValueError(f"extras tp_size={desc.extras['tp_size']} disagrees with the shard geometry ({tp})")
-            bands = gated_bands(rows, tp)
-            half = rows // 2
-            win = split_window(half, tgt.tp_size, tgt.tp_rank, what=f"{mname} gate/up rows") if (
-                sliced and not whole_experts) else (0, half)
-            windows = [Window(0, *win), Window(0, *win)]
-        else:
-            hf_rows = rows
-            if vocab_like and cfg.vocab_size is not None:
-                if cfg.vocab_size > rows:
-                    raise ValueError(f"vocab_size {cfg.vocab_size} exceeds the {rows} published vocabulary rows")
-                hf_rows = cfg.vocab_size  # trim Megatron's vocabulary padding
-            bands = identity_bands(hf_rows)
-            if not sliced or whole_experts or role is Role.REPLICATED or row_parallel or role is Role.ROW:
-                windows = [Window(0, 0, hf_rows)]
-            elif vocab_like:
-                windows = [Window(0, *vocab_window(hf_rows, tgt.tp_size, tgt.tp_rank))]
-            else:
-                windows = [Window(0, *split_window(hf_rows, tgt.tp_size, tgt.tp_rank, what=f"{mname} rows"))]
-        return rows_template(gshape, desc.itemsize, slots, bands, windows)
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"tensor {mname!r} ({desc.role.value}, {desc.global_shape}): {exc}"
+            ) from exc
 
     # -- coverage ---------------------------------------------------------------------------------
     def _missing(self, mname: str, names: list[str]) -> None:
@@ -610,7 +496,9 @@ class _Planner:
             if self.cfg.num_moe_experts:
                 with_experts = {layer_of(f) for f in self.expert_families}
                 for layer in sorted(routers - with_experts):
-                    self.gaps.append((f"decoder.layers.{layer}.mlp.experts", f"no expert {self.owned[0]} published"))
+                    self.gaps.append(
+                        (f"decoder.layers.{layer}.mlp.experts", f"no expert {self.owned[0]} published")
+                    )
         per_family = self.owned[1] - self.owned[0]
         if self.expert_families and self.experts_seen != per_family * len(self.expert_families):
             # Slow path, only when something is missing: find exactly which experts.
@@ -622,43 +510,6 @@ class _Planner:
             for family, ids in seen.items():
                 for eid in range(*self.owned):
                     if eid not in ids:
-                        self.gaps.append((family.replace("{E}", str(eid)), "expert missing from every source"))
-
-
-def _read_ops(rows: list[list[Any]]) -> list[ReadOp]:
-    """``ReadOp(*row)`` for every row, fast.
-
-    A frozen dataclass's ``__init__`` assigns each field through ``object.__setattr__``, which
-    dominated planning a sliced MoE target (~19k reads). Filling the instance ``__dict__`` in one
-    step is what that ``__init__`` amounts to (ReadOp has no ``__post_init__``, no slots, no
-    defaults); fall back to the constructor if ReadOp ever stops being that simple.
-    """
-    fields = tuple(f.name for f in dataclasses.fields(ReadOp))
-    if (
-        fields != ("source_id", "remote_addr", "nbytes", "local_offset")
-        or hasattr(ReadOp, "__slots__")
-        or hasattr(ReadOp, "__post_init__")
-    ):
-        return [ReadOp(*row) for row in rows]
-    new, set_dict = object.__new__, object.__setattr__
-    ops = []
-    for sid, remote, nbytes, local in rows:
-        op = new(ReadOp)
-        set_dict(op, "__dict__", {"source_id": sid, "remote_addr": remote, "nbytes": nbytes, "local_offset": local})
-        ops.append(op)
-    return ops
-
-
-def describe_plan(plan: MegatronReceivePlan) -> dict[str, Any]:
-    """A JSON-friendly summary (tensors, bytes, reads, copies) for logs and ``verify``."""
-    return {
-        "tensors": plan.tensors,
-        "reads": len(plan.reads),
-        "arena_bytes": plan.arena_bytes,
-        "bytes_needed": plan.bytes_needed,
-        "bytes_pulled": plan.bytes_pulled,
-        "bytes_by_role": {role: list(v) for role, v in plan.bytes_by_role.items()},
-        "staged_copies": sum(spec.copies for spec in plan.tensor_specs()),
-        "sources": len({r.source_id for r in plan.reads}),
-        "unmapped": len(plan.unmapped),
-    }
+                        self.gaps.append(
+                            (family.replace("{E}", str(eid)), "expert missing from every source")
+                        )

@@ -23,12 +23,25 @@ Two shapes of template:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from mx_refit.layout.bands import Band, Window, restrict, subtract
+from mx_refit.layout.bands import (
+    Band,
+    Window,
+    gated_bands,
+    identity_bands,
+    kv_rows_window,
+    qkv_bands,
+    restrict,
+    split_window,
+    vocab_window,
+)
+from mx_refit.layout.manifest import MegatronConfig
 from mx_refit.transport.ranges import plan_row_slice
+from mx_refit.types import Role, TargetLayout, TensorDescriptor
 
-__all__ = ["Copy", "Out", "Template", "columns_template", "rows_template"]
+__all__ = ["Copy", "Out", "Template", "build_template", "columns_template", "rows_template"]
 
 OUT_ALIGN = 16  # outputs inside a region: dtype-aligned views, 16 B for vectorised kernels
 
@@ -67,6 +80,7 @@ class Template(NamedTuple):
     pulled: int
     needed: int
     gaps: tuple[tuple[int, str], ...]  # (output index, uncovered range in HF coordinates)
+    spec_rows: tuple[tuple[int, int, tuple[int, ...], int], ...]  # per output (rel, nbytes, shape, copies)
 
 
 def _coalesce(pieces: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
@@ -85,7 +99,11 @@ def _coalesce(pieces: list[tuple[int, int, int, int]]) -> list[tuple[int, int, i
 
 
 def _finish(
-    outs: list[Out], pieces: list[tuple[int, int, int, int]], nslots: int, region: int, gaps: list[tuple[int, str]]
+    outs: list[Out],
+    pieces: list[tuple[int, int, int, int]],
+    nslots: int,
+    region: int,
+    gaps: list[tuple[int, str]],
 ) -> Template:
     pieces = _coalesce(pieces)
     slot_bytes = [0] * nslots
@@ -99,6 +117,7 @@ def _finish(
         pulled=sum(slot_bytes),
         needed=sum(o.nbytes for o in outs),
         gaps=tuple(gaps),
+        spec_rows=tuple((o.rel, o.nbytes, o.shape, len(o.copies)) for o in outs),
     )
 
 
@@ -204,3 +223,106 @@ def columns_template(
         gaps.append((0, f"columns [{cursor}, {window.hi})"))
     out = Out(0, out_bytes, (rows, width), tuple(copies))
     return _finish([out], pieces, len(slots), region, gaps)
+
+
+_IDENTITY, _QKV, _GATED = 1, 3, 2  # transform kinds = number of HF outputs
+_EXPECTED_OUTPUTS = {Role.QKV_COLUMN: _QKV, Role.GATED_MLP_COLUMN: _GATED, Role.EXPERT_COLUMN: _GATED}
+
+
+def build_template(
+    mname: str,
+    kind: int,
+    desc: TensorDescriptor,
+    geometry: tuple[tuple[int, tuple[int, ...]], ...],
+    vocab_like: bool,
+    cfg: MegatronConfig,
+    tgt: TargetLayout,
+    row_slice_options: dict[str, Any] | None = None,
+) -> Template:
+    """The template of one Megatron tensor geometry for one receiver.
+
+    ``kind`` is the number of HF outputs (3: fused QKV, 2: fused gate/up, 1: identity);
+    ``geometry`` the shard slots ``((offset, local_shape), ...)`` (one slot covering the tensor
+    when it is not split); ``vocab_like`` trims the vocabulary padding. Receiver windows follow
+    vLLM (see :mod:`mx_refit.layout.planner`). Raises ``ValueError`` for an inconsistent
+    geometry or a target that does not divide the tensor.
+    """
+    role, gshape, axis = desc.role, tuple(desc.global_shape), desc.shard_axis
+    expected = _EXPECTED_OUTPUTS.get(role, _IDENTITY)
+    if kind != expected and not (role is Role.EXPERT_COLUMN and kind == _IDENTITY):
+        raise ValueError(f"role {role.value!r} maps to {expected} HF tensors, the sidecar lists {kind}")
+    if axis not in (-1, 0, 1) or (axis == 1 and len(gshape) != 2):
+        raise ValueError(f"unsupported shard_axis {axis} for a {len(gshape)}-D tensor")
+    for offset, local in geometry:
+        if (
+            len(local) != len(gshape)
+            or any(l != g for d, (l, g) in enumerate(zip(local, gshape)) if d != axis)
+            or (axis >= 0 and offset + local[axis] > gshape[axis])
+        ):
+            raise ValueError(f"shard at offset {offset} of local shape {local} does not fit {gshape}")
+    sliced = not tgt.full_tensors
+    whole_experts = (
+        role in (Role.EXPERT_COLUMN, Role.EXPERT_ROW) and tgt.ep_size > 1
+    )  # vLLM EP: expert TP = 1
+
+    row_parallel = role in (Role.ROW, Role.EXPERT_ROW) and len(gshape) == 2
+    if axis == 1 or row_parallel:
+        if kind != _IDENTITY or not row_parallel:
+            raise ValueError("only 2-D row-parallel tensors may be split on dim 1")
+        cols = gshape[1]
+        lo, hi = (
+            split_window(cols, tgt.tp_size, tgt.tp_rank, what=f"{mname} columns")
+            if sliced and not whole_experts
+            else (0, cols)
+        )
+        slots = [(o, l[1]) for o, l in geometry] if axis == 1 else [(0, cols)]
+        return columns_template(gshape, desc.itemsize, slots, Window(1, lo, hi), row_slice_options)
+
+    rows = gshape[0]
+    slots = [(o, l[0]) for o, l in geometry] if axis == 0 else [(0, rows)]
+    if kind == _QKV:
+        h, g, d = cfg.num_heads, cfg.num_groups, cfg.head_dim
+        bands = qkv_bands(h, g, d)
+        if rows != (h + 2 * g) * d:
+            raise ValueError(f"fused QKV rows {rows} != (heads {h} + 2 x groups {g}) x head_dim {d}")
+        full = (h * d, g * d, g * d)
+        if sliced:
+            if h % tgt.tp_size:
+                raise ValueError(f"num_attention_heads={h} does not divide by target TP size {tgt.tp_size}")
+            kv = kv_rows_window(g, d, tgt.tp_size, tgt.tp_rank)
+            windows = [
+                Window(0, *split_window(h * d, tgt.tp_size, tgt.tp_rank, what="q rows")),
+                Window(0, *kv),
+                Window(0, *kv),
+            ]
+        else:
+            windows = [Window(0, 0, n) for n in full]
+    elif kind == _GATED:
+        # The publishing TP: from the descriptor, never from how many sources exist.
+        tp = rows // geometry[0][1][0] if axis == 0 else 1
+        if axis == 0 and desc.extras.get("tp_size") not in (None, tp):
+            raise ValueError(
+                f"extras tp_size={desc.extras['tp_size']} disagrees with the shard geometry ({tp})"
+            )
+        bands = gated_bands(rows, tp)
+        half = rows // 2
+        win = (
+            split_window(half, tgt.tp_size, tgt.tp_rank, what=f"{mname} gate/up rows")
+            if (sliced and not whole_experts)
+            else (0, half)
+        )
+        windows = [Window(0, *win), Window(0, *win)]
+    else:
+        hf_rows = rows
+        if vocab_like and cfg.vocab_size is not None:
+            if cfg.vocab_size > rows:
+                raise ValueError(f"vocab_size {cfg.vocab_size} exceeds the {rows} published vocabulary rows")
+            hf_rows = cfg.vocab_size  # trim Megatron's vocabulary padding
+        bands = identity_bands(hf_rows)
+        if not sliced or whole_experts or role is Role.REPLICATED or row_parallel or role is Role.ROW:
+            windows = [Window(0, 0, hf_rows)]
+        elif vocab_like:
+            windows = [Window(0, *vocab_window(hf_rows, tgt.tp_size, tgt.tp_rank))]
+        else:
+            windows = [Window(0, *split_window(hf_rows, tgt.tp_size, tgt.tp_rank, what=f"{mname} rows"))]
+    return rows_template(gshape, desc.itemsize, slots, bands, windows)

@@ -17,7 +17,8 @@ same code path. Results are byte-identical to Megatron-Bridge 0.6.2's ``split_qk
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from mx_refit.layout.bands import Band, gated_bands, qkv_bands, restrict
 
@@ -37,10 +38,10 @@ __all__ = [
 
 
 def scatter_rows(
-    src: "torch.Tensor",
+    src: torch.Tensor,
     src_start: int,
     bands: Sequence[Band],
-    outs: Sequence["torch.Tensor | None"],
+    outs: Sequence[torch.Tensor | None],
     out_starts: Sequence[int] | None = None,
 ) -> int:
     """Copy the Megatron rows ``src`` (global rows ``[src_start, src_start + len(src))``) into
@@ -73,8 +74,8 @@ def _qkv_geometry(qkv_rows: int, num_heads: int, num_groups: int, head_dim: int)
 
 
 def split_qkv(
-    qkv: "torch.Tensor", num_heads: int, num_groups: int, head_dim: int
-) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Un-interleave a full fused QKV weight ``[(H + 2G) d, h]`` or bias ``[(H + 2G) d]`` into
     contiguous ``q [H d, ...]``, ``k [G d, ...]``, ``v [G d, ...]``."""
     import torch
@@ -89,8 +90,8 @@ def split_qkv(
 
 
 def merge_qkv(
-    q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", num_heads: int, num_groups: int, head_dim: int
-) -> "torch.Tensor":
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> torch.Tensor:
     """Inverse of :func:`split_qkv`: HF q, k, v -> Megatron's fused group-interleaved tensor."""
     import torch
 
@@ -101,7 +102,7 @@ def merge_qkv(
     return out
 
 
-def split_gated(fc1: "torch.Tensor", tp_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+def split_gated(fc1: torch.Tensor, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a gathered fused gate/up tensor (concat of ``tp_size`` shards ``[gate_t; up_t]``)
     into contiguous ``gate`` and ``up``. ``tp_size`` is the publishing (expert-)TP size."""
     import torch
@@ -113,7 +114,7 @@ def split_gated(fc1: "torch.Tensor", tp_size: int) -> tuple["torch.Tensor", "tor
     return gate, up
 
 
-def merge_gated(gate: "torch.Tensor", up: "torch.Tensor", tp_size: int) -> "torch.Tensor":
+def merge_gated(gate: torch.Tensor, up: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Inverse of :func:`split_gated`: the concat of ``[gate_t; up_t]`` over ``tp_size`` ranks."""
     import torch
 
@@ -125,7 +126,7 @@ def merge_gated(gate: "torch.Tensor", up: "torch.Tensor", tp_size: int) -> "torc
     return out
 
 
-def trim_vocab(weight: "torch.Tensor", vocab_size: int) -> "torch.Tensor":
+def trim_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Drop Megatron's padded vocabulary rows beyond ``vocab_size`` (a view, no copy)."""
     if weight.shape[0] < vocab_size:
         raise ValueError(f"tensor has {weight.shape[0]} vocabulary rows, fewer than vocab_size={vocab_size}")
@@ -133,8 +134,8 @@ def trim_vocab(weight: "torch.Tensor", vocab_size: int) -> "torch.Tensor":
 
 
 def place_column_blocks(
-    out: "torch.Tensor", blocks: Sequence[tuple[int, "torch.Tensor"]], col_start: int = 0
-) -> "torch.Tensor":
+    out: torch.Tensor, blocks: Sequence[tuple[int, torch.Tensor]], col_start: int = 0
+) -> torch.Tensor:
     """Copy column blocks ``(first_column, block [rows, w])`` of a row-parallel tensor into
     ``out`` (which holds columns ``[col_start, col_start + out.shape[1])``); one strided copy per
     block, so every byte is copied once. Returns ``out``."""
@@ -149,7 +150,7 @@ def place_column_blocks(
     return out
 
 
-def gather_row_parallel(shards: Sequence["torch.Tensor"]) -> "torch.Tensor":
+def gather_row_parallel(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """The full tensor of a dim-1 split (``RowParallelMapping`` export: cat on dim 1)."""
     import torch
 
