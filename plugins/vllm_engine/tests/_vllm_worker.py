@@ -111,13 +111,17 @@ class WorkerProcess:
                 "bytes": sum(t.numel() * t.element_size() for t in live.values())}
 
     def stats(self) -> dict:
+        from mx_refit.plugins import Hooks
+
         eng = self.engine
+        hooks = Hooks()  # loads the `mx_refit` entry points, ours included
         transport = getattr(eng, "_transport", None)
         last = eng.last_update
         return {
             "registrations": transport.registrations if transport is not None else 0,
             "arenas": {m: (r._arena.data_ptr(), r._arena.numel()) for m, r in eng.receivers.items() if r._arena is not None},
             "layout": eng.layout,
+            "hook_layouts": (hooks.target_layout(self.model), hooks.target_layout(eng)),
             "last_update": None if last is None else last.to_dict(),
             "active": self.worker._weight_update_active,
             "session": eng._session is not None,

@@ -44,6 +44,8 @@ def test_megatron_tp2_to_vllm_tp2_per_rank_list(megatron, tp2, mx_catalog: str, 
     tp2.refit({"catalog": mx_catalog, "model": name}, entries, ckpts[3])
     for rank, stats in enumerate(tp2.stats()):
         assert stats["layout"].tp_rank == rank and stats["layout"].tp_size == 2
+        # Any mx-refit Receiver handed this worker's model or engine finds the same layout.
+        assert stats["hook_layouts"] == (stats["layout"], stats["layout"])
         assert stats["last_update"]["wait_s"] == 1.0 + rank, "a worker loaded another rank's entry"
 
 

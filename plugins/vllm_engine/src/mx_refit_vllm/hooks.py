@@ -24,9 +24,14 @@ def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
 
         return engine.layout or target_layout(engine.parallel_config)
     if _is_vllm_model(engine):
-        from vllm.config import get_current_vllm_config
+        from types import SimpleNamespace
+
+        from vllm.config import vllm as vllm_config_module
 
         from mx_refit_vllm.layout import target_layout
 
-        return target_layout(get_current_vllm_config().parallel_config)
+        # Inside a worker the process groups say everything; the config (when one is current)
+        # adds the expert-parallel settings.
+        current = getattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: None)()
+        return target_layout(current.parallel_config if current is not None else SimpleNamespace())
     return None
