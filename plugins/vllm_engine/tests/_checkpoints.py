@@ -46,18 +46,22 @@ def build_version(root: Path, version: int) -> Path:
     tmp = root / f".qwen2-v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = transformers.Qwen2Config(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
+    config = transformers.Qwen2Config(
+        **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    )
     with torch.device("meta"):
         names = {n: tuple(p.shape) for n, p in transformers.Qwen2ForCausalLM(config).named_parameters()}
     gen = torch.Generator().manual_seed(1000 + version)
-    tensors = {name: (torch.randn(shape, generator=gen) * 0.05).contiguous() for name, shape in sorted(names.items())}
+    tensors = {
+        name: (torch.randn(shape, generator=gen) * 0.05).contiguous() for name, shape in sorted(names.items())
+    }
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(CONFIG, indent=1))
     tmp.rename(out)
     return out
 
 
-def load_version(path: Path | str) -> dict[str, "object"]:
+def load_version(path: Path | str) -> dict[str, object]:
     from safetensors.torch import load_file
 
     return load_file(str(Path(path) / "model.safetensors"))

@@ -30,12 +30,19 @@ def main() -> None:
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
     try:
         from mx_refit.layout.collect import collect_for_publish
-        from mx_refit.layout.megatron import build_model_from_hf, init_distributed, init_model_parallel, mesh_position
+        from mx_refit.layout.megatron import (
+            build_model_from_hf,
+            init_distributed,
+            init_model_parallel,
+            mesh_position,
+        )
         from mx_refit.publisher import Publisher
 
         init_distributed(args.rank, args.world, master_port=args.dist_port)
         init_model_parallel(tp=args.world)
-        publisher = Publisher(args.catalog, args.model_name, mesh=mesh_position(), expected_sources=args.world)
+        publisher = Publisher(
+            args.catalog, args.model_name, mesh=mesh_position(), expected_sources=args.world
+        )
     except BaseException:
         conn.send(("err", ("StartupError", traceback.format_exc())))
         return
@@ -54,7 +61,9 @@ def main() -> None:
             if cmd == "publish":
                 version, hf_dir = arg
                 bridged = build_model_from_hf(hf_dir, tp=args.world)
-                tensors, sidecar = collect_for_publish(bridged.bridge, bridged.model, hf_config=bridged.hf_config)
+                tensors, sidecar = collect_for_publish(
+                    bridged.bridge, bridged.model, hf_config=bridged.hf_config
+                )
                 keep.append(bridged)
                 state = publisher.publish(version, tensors, sidecar=sidecar)
                 conn.send(("ok", {"state": state.value, "tensors": len(tensors)}))

@@ -42,18 +42,30 @@ class RemoteError(RuntimeError):
 class Child:
     """One child process and its command connection."""
 
-    def __init__(self, name: str, python: str, script: str, args: Sequence[str], log_dir: Path,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        python: str,
+        script: str,
+        args: Sequence[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 300.0,
+    ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        address = "%s:%d" % listener.address
+        host, port = listener.address
+        address = f"{host}:{port}"
         child_env = {**os.environ, **(env or {}), "MX_TEST_AUTHKEY": authkey.hex(), "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [python, str(HERE / script), "--listen", address, *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=str(HERE),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=str(HERE),
         )
         accepted: list[Connection] = []
         thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
@@ -160,8 +172,14 @@ class Group:
             child.stop()
 
 
-def start_group(prefix: str, python: str, script: str, per_rank_args: list[list[str]], log_dir: Path,
-                env: dict[str, str] | None = None) -> Group:
+def start_group(
+    prefix: str,
+    python: str,
+    script: str,
+    per_rank_args: list[list[str]],
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> Group:
     """Start one child per rank concurrently (their startups overlap)."""
     with ThreadPoolExecutor(len(per_rank_args)) as pool:
         futures = [
@@ -230,7 +248,8 @@ class Relay:
 
     @property
     def url(self) -> str:
-        return "http://%s:%d" % self.server.server_address
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
 
     def close(self) -> None:
         self.server.shutdown()

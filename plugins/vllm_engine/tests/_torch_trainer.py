@@ -26,8 +26,9 @@ def _error(exc: BaseException) -> tuple[str, str]:
 
 
 class TrainerRank:
-    def __init__(self, rank: int, world: int, dist_port: int, catalog: str, model_name: str, relay: str,
-                 hf_dir: str) -> None:
+    def __init__(
+        self, rank: int, world: int, dist_port: int, catalog: str, model_name: str, relay: str, hf_dir: str
+    ) -> None:
         import torch
         import torch.distributed as dist
         import transformers
@@ -38,7 +39,9 @@ class TrainerRank:
 
         from mx_refit_vllm.trainer import MxTrainerInitInfo
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world
+        )
         self.mesh = init_device_mesh("cpu", (world,))
         config = transformers.AutoConfig.from_pretrained(hf_dir)
         torch.manual_seed(0)
@@ -59,8 +62,13 @@ class TrainerRank:
             self.module.lm_head.weight = self.module.model.embed_tokens.weight
         self.source = ModuleSource(self.module)
         info = MxTrainerInitInfo(
-            catalog=catalog, model=model_name, world_size=world, rank=rank,
-            ready_timeout_s=120.0, drain_timeout_s=120.0, worker={"load_batch_bytes": 64 << 10},
+            catalog=catalog,
+            model=model_name,
+            world_size=world,
+            rank=rank,
+            ready_timeout_s=120.0,
+            drain_timeout_s=120.0,
+            worker={"load_batch_bytes": 64 << 10},
         )
         self.engine = WeightTransferTrainerFactory.trainer_init(
             info, client=HTTPVLLMWeightSyncClient(relay, timeout=300), source=self.source
@@ -102,8 +110,9 @@ def main() -> None:
     host, port = args.listen.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
     try:
-        rank = TrainerRank(args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.relay,
-                           args.hf_dir)
+        rank = TrainerRank(
+            args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.relay, args.hf_dir
+        )
     except BaseException as exc:
         conn.send(("err", _error(exc)))
         return

@@ -53,7 +53,9 @@ class WorkerProcess:
 
         load_general_plugins()  # vLLM does this in every worker before load_model
         self.vllm_config = VllmConfig(
-            model_config=ModelConfig(model=hf_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True),
+            model_config=ModelConfig(
+                model=hf_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True
+            ),
             parallel_config=ParallelConfig(tensor_parallel_size=world),
             device_config=DeviceConfig(device="cpu"),
             weight_transfer_config=WeightTransferConfig(backend="mx"),
@@ -61,7 +63,10 @@ class WorkerProcess:
         self._ctx = set_current_vllm_config
         with set_current_vllm_config(self.vllm_config):
             init_distributed_environment(
-                world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                world_size=world,
+                rank=rank,
+                local_rank=rank,
+                backend="gloo",
                 distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
             )
             initialize_model_parallel(world, 1, backend="gloo")
@@ -107,8 +112,11 @@ class WorkerProcess:
             b = ref[name].detach().contiguous().view(torch.uint8)
             if a.shape != b.shape or not torch.equal(a, b):
                 mismatched.append(name)
-        return {"compared": len(live), "mismatched": mismatched,
-                "bytes": sum(t.numel() * t.element_size() for t in live.values())}
+        return {
+            "compared": len(live),
+            "mismatched": mismatched,
+            "bytes": sum(t.numel() * t.element_size() for t in live.values()),
+        }
 
     def stats(self) -> dict:
         from mx_refit.plugins import Hooks
@@ -119,7 +127,11 @@ class WorkerProcess:
         last = eng.last_update
         return {
             "registrations": transport.registrations if transport is not None else 0,
-            "arenas": {m: (r._arena.data_ptr(), r._arena.numel()) for m, r in eng.receivers.items() if r._arena is not None},
+            "arenas": {
+                m: (r._arena.data_ptr(), r._arena.numel())
+                for m, r in eng.receivers.items()
+                if r._arena is not None
+            },
             "layout": eng.layout,
             "hook_layouts": (hooks.target_layout(self.model), hooks.target_layout(eng)),
             "last_update": None if last is None else last.to_dict(),

@@ -34,7 +34,9 @@ class Workers:
         """Assert every live parameter equals ``hf_dir`` loaded by vLLM's own loader, bytewise."""
         for rank, report in enumerate(self.group.call("check", str(hf_dir))):
             assert report["compared"] > 0
-            assert report["mismatched"] == [], f"TP rank {rank}: {report['mismatched']} differ from {hf_dir.name}"
+            assert report["mismatched"] == [], (
+                f"TP rank {rank}: {report['mismatched']} differ from {hf_dir.name}"
+            )
 
     def assert_untouched(self) -> None:
         self.check(self.current)
@@ -67,8 +69,10 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def worker_groups(ckpts: dict[int, Path], log_dir: Path) -> Iterator[dict[int, Workers]]:
     def start(tp: int) -> Group:
         port = free_port()
-        args = [["--rank", str(r), "--world", str(tp), "--dist-port", str(port), "--hf-dir", str(ckpts[0])]
-                for r in range(tp)]
+        args = [
+            ["--rank", str(r), "--world", str(tp), "--dist-port", str(port), "--hf-dir", str(ckpts[0])]
+            for r in range(tp)
+        ]
         return start_group(f"vllm-tp{tp}", vllm_python(), "_vllm_worker.py", args, log_dir)
 
     with ThreadPoolExecutor(2) as pool:

@@ -27,8 +27,12 @@ def publish(mx_catalog: str) -> Iterator:
     def _publish(model: str, version: int, tensors: list, expected_sources: int = 1) -> str:
         key = (model, expected_sources)
         if key not in publishers:
-            publishers[key] = Publisher(mx_catalog, model, expected_sources=expected_sources,
-                                        source_id=f"{model}/test-{expected_sources}")
+            publishers[key] = Publisher(
+                mx_catalog,
+                model,
+                expected_sources=expected_sources,
+                source_id=f"{model}/test-{expected_sources}",
+            )
         alive.append(tensors)
         return publishers[key].publish(version, tensors).value
 
@@ -141,8 +145,12 @@ def test_tensors_the_model_does_not_have(tp1, good, publish, mx_catalog: str, mo
         tp1.rpc("update_weights", update_info={"version": 1})
     assert info.value.kind == "InvalidArgument"
     _assert_failed_cleanly(
-        tp1, info.value, "3 tensor(s)", "transformer.h.0.attn.c_attn.weight: the model has no such parameter",
-        "model.norm.weight: shape (32,)", "q_proj.weight: shape (64, 48)",
+        tp1,
+        info.value,
+        "3 tensor(s)",
+        "transformer.h.0.attn.c_attn.weight: the model has no such parameter",
+        "model.norm.weight: shape (32,)",
+        "q_proj.weight: shape (64, 48)",
     )
 
 
@@ -169,9 +177,16 @@ def test_coverage_gap(tp1, good, publish, mx_catalog: str, model_name: str, ckpt
     ("method", "payload", "fragment"),
     [
         ("init_weight_transfer_engine", {"init_info": {"catalog": "localhost:1"}}, "model"),
-        ("init_weight_transfer_engine", {"init_info": {"catalog": "no-port", "model": "m"}}, "MxInitInfo.catalog"),
-        ("init_weight_transfer_engine", {"init_info": {"catalog": "h:1", "model": "m", "lease_ttl_s": -1}},
-         "MxInitInfo.lease_ttl_s"),
+        (
+            "init_weight_transfer_engine",
+            {"init_info": {"catalog": "no-port", "model": "m"}},
+            "MxInitInfo.catalog",
+        ),
+        (
+            "init_weight_transfer_engine",
+            {"init_info": {"catalog": "h:1", "model": "m", "lease_ttl_s": -1}},
+            "MxInitInfo.lease_ttl_s",
+        ),
         ("update_weights", {"update_info": {"version": "3"}}, "MxUpdateInfo.version"),
         ("update_weights", {"update_info": {"versoin": 3}}, "versoin"),
         ("update_weights", {"update_info": {"version": 2, "min_version": 5}}, "MxUpdateInfo.min_version"),

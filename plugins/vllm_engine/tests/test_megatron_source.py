@@ -19,11 +19,26 @@ from _procs import core_python, free_port, start_group
 def megatron(mx_catalog: str, ckpts: dict[int, Path], log_dir: Path):
     python = core_python()
     if python is None:
-        pytest.skip("the core venv (megatron-core + Megatron-Bridge) is not available; set MX_REFIT_CORE_PYTHON")
+        pytest.skip(
+            "the core venv (megatron-core + Megatron-Bridge) is not available; set MX_REFIT_CORE_PYTHON"
+        )
     port = free_port()
     name = "vllm-megatron-tp2"
-    args = [["--rank", str(r), "--world", "2", "--dist-port", str(port), "--catalog", mx_catalog,
-             "--model-name", name] for r in range(2)]
+    args = [
+        [
+            "--rank",
+            str(r),
+            "--world",
+            "2",
+            "--dist-port",
+            str(port),
+            "--catalog",
+            mx_catalog,
+            "--model-name",
+            name,
+        ]
+        for r in range(2)
+    ]
     group = start_group("megatron", python, "_megatron_trainer.py", args, log_dir)
     published = group.call("publish", (3, str(ckpts[3])), timeout_s=600)
     assert {p["state"] for p in published} <= {"PENDING", "READY"} and published[-1]["tensors"] > 0
@@ -37,7 +52,9 @@ def test_megatron_tp2_to_vllm_tp1(megatron, tp1, mx_catalog: str, ckpts: dict[in
     assert tp1.stats()[0]["layout"].tp_size == 1
 
 
-def test_megatron_tp2_to_vllm_tp2_per_rank_list(megatron, tp2, mx_catalog: str, ckpts: dict[int, Path]) -> None:
+def test_megatron_tp2_to_vllm_tp2_per_rank_list(
+    megatron, tp2, mx_catalog: str, ckpts: dict[int, Path]
+) -> None:
     """vLLM's per-rank list form: the Worker picks entry ``dp_index * world_size + rank``."""
     name, _ = megatron
     entries = [{"version": 3, "wait_s": 1.0 + rank} for rank in range(2)]
@@ -49,7 +66,9 @@ def test_megatron_tp2_to_vllm_tp2_per_rank_list(megatron, tp2, mx_catalog: str, 
         assert stats["last_update"]["wait_s"] == 1.0 + rank, "a worker loaded another rank's entry"
 
 
-def test_engine_update_weights_accepts_the_list_itself(megatron, tp2, mx_catalog: str, ckpts: dict[int, Path]) -> None:
+def test_engine_update_weights_accepts_the_list_itself(
+    megatron, tp2, mx_catalog: str, ckpts: dict[int, Path]
+) -> None:
     """Driving the engine directly (no vLLM Worker in between): it picks its own entry the same way."""
     name, _ = megatron
     tp2.rpc("init_weight_transfer_engine", init_info={"catalog": mx_catalog, "model": name})

@@ -47,7 +47,8 @@ _SCRIPT = textwrap.dedent(
 
     # 2. Someone else already owns the trainer-side "mx" name: keep theirs, warn, do not raise.
     from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as W, WeightTransferTrainerFactory as T
+    from vllm.distributed.weight_transfer import factory
+    W, T = factory.WeightTransferEngineFactory, factory.WeightTransferTrainerFactory
     class Foreign(TrainerWeightTransferEngine):
         pass
     T.register_engine("mx", Foreign)
@@ -75,4 +76,6 @@ _SCRIPT = textwrap.dedent(
 
 def test_register_is_idempotent_tolerant_and_lazy() -> None:
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "REGISTRATION-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "REGISTRATION-OK" in proc.stdout, (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )

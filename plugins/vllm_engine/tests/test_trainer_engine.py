@@ -20,8 +20,22 @@ def trainers(mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[in
     relay.group = tp1.group
     port = free_port()
     args = [
-        ["--rank", str(r), "--world", "2", "--dist-port", str(port), "--catalog", mx_catalog,
-         "--model-name", model_name, "--relay", relay.url, "--hf-dir", str(ckpts[0])]
+        [
+            "--rank",
+            str(r),
+            "--world",
+            "2",
+            "--dist-port",
+            str(port),
+            "--catalog",
+            mx_catalog,
+            "--model-name",
+            model_name,
+            "--relay",
+            relay.url,
+            "--hf-dir",
+            str(ckpts[0]),
+        ]
         for r in range(2)
     ]
     group = start_group("torch-trainer", vllm_python(), "_torch_trainer.py", args, log_dir)
@@ -30,7 +44,9 @@ def trainers(mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[in
     relay.group = None
 
 
-def test_dtensor_trainer_drives_vllm_worker_over_http(trainers, tp1, relay: Relay, ckpts: dict[int, Path]) -> None:
+def test_dtensor_trainer_drives_vllm_worker_over_http(
+    trainers, tp1, relay: Relay, ckpts: dict[int, Path]
+) -> None:
     # trainer_init (rank 0) already initialised the worker's engine through the HTTP route.
     assert [m for m, _ in relay.calls[-1:]] == ["init_weight_transfer_engine"]
     init_info = relay.calls[-1][1]["init_info"]
@@ -41,7 +57,11 @@ def test_dtensor_trainer_drives_vllm_worker_over_http(trainers, tp1, relay: Rela
     tp1.current = ckpts[1]
     with pytest.raises(AssertionError, match="differ from qwen2-v0"):
         tp1.check(ckpts[0])  # the byte comparison does tell versions apart
-    assert [m for m, _ in relay.calls[-3:]] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert [m for m, _ in relay.calls[-3:]] == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
     assert relay.calls[-2][1]["update_info"]["version"] == 1
     registrations = tp1.stats()[0]["registrations"]
     arenas = tp1.stats()[0]["arenas"]
@@ -50,7 +70,7 @@ def test_dtensor_trainer_drives_vllm_worker_over_http(trainers, tp1, relay: Rela
     second = trainers.call("send", (2, str(ckpts[2])))
     tp1.check(ckpts[2])
     tp1.current = ckpts[2]
-    for before, after in zip(first, second):
+    for before, after in zip(first, second, strict=True):
         assert after["pointers"] == before["pointers"]
         assert after["registrations"] == before["registrations"]
     stats = tp1.stats()[0]

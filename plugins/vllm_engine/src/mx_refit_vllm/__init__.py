@@ -56,7 +56,11 @@ def _warn_if_foreign(loader: Any, target: tuple[str, str], what: str) -> None:
     cells = getattr(loader, "__closure__", None) or ()
     values = {getattr(c, "cell_contents", None) for c in cells}
     if target[0] not in values:
-        log.warning("vLLM %s backend %r is already registered by another package; mx-refit's is not used", what, BACKEND)
+        log.warning(
+            "vLLM %s backend %r is already registered by another package; mx-refit's is not used",
+            what,
+            BACKEND,
+        )
 
 
 def register() -> None:
@@ -70,7 +74,11 @@ def register() -> None:
         try:
             from vllm.distributed.weight_transfer import factory as wt_factory
         except ImportError as exc:  # vLLM absent or too old: the plugin stays inert
-            log.debug("mx-refit: vLLM weight-transfer factory unavailable (%s); backend %r not registered", exc, BACKEND)
+            log.debug(
+                "mx-refit: vLLM weight-transfer factory unavailable (%s); backend %r not registered",
+                exc,
+                BACKEND,
+            )
             return
         worker_factory = getattr(wt_factory, "WeightTransferEngineFactory", None)
         if worker_factory is not None:

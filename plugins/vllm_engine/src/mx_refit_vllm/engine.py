@@ -93,8 +93,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
 
     def __init__(
         self,
-        config: "WeightTransferConfig",
-        vllm_config: "VllmConfig",
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
         device: torch.device,
         model: torch.nn.Module,
     ) -> None:
@@ -140,8 +140,12 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self.init_info = init_info
         log.info(
             "mx engine ready: catalog %s, model %r, layout tp %d/%d ep %d/%d",
-            init_info.catalog, init_info.model, self.layout.tp_rank, self.layout.tp_size,
-            self.layout.ep_rank, self.layout.ep_size,
+            init_info.catalog,
+            init_info.model,
+            self.layout.tp_rank,
+            self.layout.tp_size,
+            self.layout.ep_rank,
+            self.layout.ep_size,
         )
 
     def start_weight_update(self) -> None:
@@ -161,7 +165,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if isinstance(update_info, list):
             update_info = self._pick_rank_entry(update_info)
         if not isinstance(update_info, dict):
-            raise ValueError(f"mx: update_info must be a dict or a list of dicts, got {type(update_info).__name__}")
+            raise ValueError(
+                f"mx: update_info must be a dict or a list of dicts, got {type(update_info).__name__}"
+            )
         try:
             typed = self.parse_update_info(update_info)
         except ValueError:
@@ -188,7 +194,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         model_name = update_info.model or init.model
         wait_s = init.ready_timeout_s if update_info.wait_s is None else update_info.wait_s
         what = (
-            f"version {update_info.version} of {model_name!r}" if update_info.version is not None
+            f"version {update_info.version} of {model_name!r}"
+            if update_info.version is not None
             else f"newest READY version >= {update_info.min_version} of {model_name!r}"
         )
         try:
@@ -196,10 +203,14 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             result = receiver.refit(update_info.version, min_version=update_info.min_version, wait_s=wait_s)
             what = f"version {result.version.version} of {model_name!r}"
             if init.strict_names:
-                check_names(self.model, result.tensors, tp_size=self.layout.tp_size if self.layout else 1, what=what)
+                check_names(
+                    self.model, result.tensors, tp_size=self.layout.tp_size if self.layout else 1, what=what
+                )
         except Unavailable as exc:
             self._abort_session()
-            raise Unavailable(f"mx: catalog unreachable at {init.catalog} while fetching {what}: {exc}") from exc
+            raise Unavailable(
+                f"mx: catalog unreachable at {init.catalog} while fetching {what}: {exc}"
+            ) from exc
         except BaseException as exc:
             self._abort_session()
             if isinstance(exc, MxRefitError):
@@ -221,8 +232,13 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         for stats in session.loaded:
             log.info(
                 "mx: loaded %s v%d: %d tensors, %.1f MB pulled in %.3fs (%.2f GB/s), %d new registrations",
-                stats.model, stats.version, stats.tensors, stats.bytes_pulled / 1e6, stats.seconds,
-                stats.gbps, stats.new_registrations,
+                stats.model,
+                stats.version,
+                stats.tensors,
+                stats.bytes_pulled / 1e6,
+                stats.seconds,
+                stats.gbps,
+                stats.new_registrations,
             )
 
     def shutdown(self) -> None:
@@ -247,7 +263,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         return list(self._session.loaded) if self._session else []
 
     @property
-    def receivers(self) -> dict[str, "Receiver"]:
+    def receivers(self) -> dict[str, Receiver]:
         """One receiver (and receive arena) per catalog model this engine has loaded."""
         return dict(self._receivers)
 
@@ -262,10 +278,12 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         rank = c["pp_rank"] * c["tp_size"] + c["tp_rank"]
         index = c["dp_index"] * world + rank
         if not 0 <= index < len(entries):
-            raise ValueError(f"mx: update_info list has {len(entries)} entries; this worker needs index {index}")
+            raise ValueError(
+                f"mx: update_info list has {len(entries)} entries; this worker needs index {index}"
+            )
         return entries[index]
 
-    def _receiver(self, model_name: str) -> "Receiver":
+    def _receiver(self, model_name: str) -> Receiver:
         receiver = self._receivers.get(model_name)
         if receiver is not None:
             return receiver
@@ -279,7 +297,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if self._transport is None:
             # One NIXL agent per worker process, shared by every model it receives.
             # The suffix keeps agent names unique across re-initialisations of this worker.
-            self._transport = NixlTransport(f"mx-vllm-{socket.gethostname()}-{os.getpid()}-{tag}-{uuid.uuid4().hex[:6]}")
+            self._transport = NixlTransport(
+                f"mx-vllm-{socket.gethostname()}-{os.getpid()}-{tag}-{uuid.uuid4().hex[:6]}"
+            )
         if self._hooks is None:
             self._hooks = Hooks()
         receiver = Receiver(

@@ -19,7 +19,10 @@ def _is_vllm_model(engine: Any) -> bool:
 @hookimpl
 def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
     """The layout of the vLLM worker that owns ``engine`` (an mx engine or a vLLM model)."""
-    if type(engine).__name__ == "MxWeightTransferEngine" and type(engine).__module__ == "mx_refit_vllm.engine":
+    if (
+        type(engine).__name__ == "MxWeightTransferEngine"
+        and type(engine).__module__ == "mx_refit_vllm.engine"
+    ):
         from mx_refit_vllm.layout import target_layout
 
         return engine.layout or target_layout(engine.parallel_config)

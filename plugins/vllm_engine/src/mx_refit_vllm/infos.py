@@ -26,8 +26,16 @@ def _check_str(cls: str, field: str, value: Any, *, optional: bool = False) -> N
         raise InvalidArgument(f"{cls}.{field}: expected a non-empty string, got {value!r}")
 
 
-def _check_number(cls: str, field: str, value: Any, *, minimum: float, integer: bool = False,
-                  optional: bool = False, strict: bool = False) -> None:
+def _check_number(
+    cls: str,
+    field: str,
+    value: Any,
+    *,
+    minimum: float,
+    integer: bool = False,
+    optional: bool = False,
+    strict: bool = False,
+) -> None:
     if value is None and optional:
         return
     kinds = (int,) if integer else (int, float)

@@ -41,9 +41,13 @@ def worker_coordinates(parallel_config: Any) -> dict[str, int]:
     tp_size = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
     pp_size = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
     coords = {
-        "tp_rank": 0, "tp_size": tp_size, "pp_rank": 0, "pp_size": pp_size,
+        "tp_rank": 0,
+        "tp_size": tp_size,
+        "pp_rank": 0,
+        "pp_size": pp_size,
         "dp_index": int(getattr(parallel_config, "data_parallel_index", 0) or 0),
-        "ep_rank": 0, "ep_size": 1,
+        "ep_rank": 0,
+        "ep_size": 1,
     }
     from vllm.distributed import parallel_state as ps
 
@@ -56,7 +60,9 @@ def worker_coordinates(parallel_config: Any) -> dict[str, int]:
         return coords
     tp = ps.get_tp_group()
     pp = ps.get_pp_group()
-    coords.update(tp_rank=tp.rank_in_group, tp_size=tp.world_size, pp_rank=pp.rank_in_group, pp_size=pp.world_size)
+    coords.update(
+        tp_rank=tp.rank_in_group, tp_size=tp.world_size, pp_rank=pp.rank_in_group, pp_size=pp.world_size
+    )
     if (
         getattr(parallel_config, "enable_expert_parallel", False)
         and not getattr(parallel_config, "enable_eplb", False)
@@ -72,7 +78,11 @@ def target_layout(parallel_config: Any) -> TargetLayout:
     """The :class:`~mx_refit.types.TargetLayout` of this vLLM worker (full HF tensors)."""
     c = worker_coordinates(parallel_config)
     return TargetLayout(
-        tp_rank=c["tp_rank"], tp_size=c["tp_size"], ep_rank=c["ep_rank"], ep_size=c["ep_size"], full_tensors=True
+        tp_rank=c["tp_rank"],
+        tp_size=c["tp_size"],
+        ep_rank=c["ep_rank"],
+        ep_size=c["ep_size"],
+        full_tensors=True,
     )
 
 
@@ -87,7 +97,7 @@ class NameCheck:
     vLLM shards, which may be up to ``tp_size`` times larger (vocab padding makes it smaller).
     """
 
-    def __init__(self, model: "torch.nn.Module", tp_size: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, tp_size: int = 1) -> None:
         self.model = model
         self.tp_size = tp_size
         self.tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
@@ -143,7 +153,7 @@ class NameCheck:
             return None
         return "the model has no such parameter or buffer"
 
-    def _sharded_dims(self, target: str, param: "torch.Tensor") -> set[int]:
+    def _sharded_dims(self, target: str, param: torch.Tensor) -> set[int]:
         owner = self.modules.get(target.rpartition(".")[0])
         return _sharded_dims_of(owner, param)
 
@@ -156,7 +166,7 @@ class NameCheck:
         if len(got) != len(have):
             return f"shape {got} does not fit {target} {have}"
         sharded = self._sharded_dims(target, param)
-        for dim, (g, h) in enumerate(zip(got, have)):
+        for dim, (g, h) in enumerate(zip(got, have, strict=True)):
             if dim in sharded:
                 if packed and dim == getattr(param, "output_dim", None):
                     continue  # one of several stacked shards: only its own extent is known
@@ -171,7 +181,11 @@ def _sharded_dims_of(module: Any, param: Any) -> set[int]:
     """The parameter dims vLLM's TP loader narrows for this layer kind."""
     output_dim, input_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
     try:
-        from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+        from vllm.model_executor.layers.linear import (
+            ColumnParallelLinear,
+            ReplicatedLinear,
+            RowParallelLinear,
+        )
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     except ImportError:  # pragma: no cover - layer classes moved: fall back to lenient checks
         return {output_dim, input_dim} - {None}
@@ -185,7 +199,7 @@ def _sharded_dims_of(module: Any, param: Any) -> set[int]:
 
 
 def check_names(
-    model: "torch.nn.Module", tensors: Iterable[tuple[str, "torch.Tensor"]], *, tp_size: int, what: str
+    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], *, tp_size: int, what: str
 ) -> None:
     """Raise :class:`InvalidArgument` listing every tensor ``model`` would not accept."""
     check = NameCheck(model, tp_size)

@@ -83,13 +83,29 @@ class MxTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise InvalidArgument(f"MxTrainerInitInfo.world_size: expected an integer >= 1, got {self.world_size!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise InvalidArgument(f"MxTrainerInitInfo.rank: expected 0 <= rank < {self.world_size}, got {self.rank!r}")
-        if isinstance(self.first_version, bool) or not isinstance(self.first_version, int) or self.first_version < 0:
-            raise InvalidArgument(f"MxTrainerInitInfo.first_version: expected an integer >= 0, got {self.first_version!r}")
+            raise InvalidArgument(
+                f"MxTrainerInitInfo.world_size: expected an integer >= 1, got {self.world_size!r}"
+            )
+        if (
+            isinstance(self.rank, bool)
+            or not isinstance(self.rank, int)
+            or not 0 <= self.rank < self.world_size
+        ):
+            raise InvalidArgument(
+                f"MxTrainerInitInfo.rank: expected 0 <= rank < {self.world_size}, got {self.rank!r}"
+            )
+        if (
+            isinstance(self.first_version, bool)
+            or not isinstance(self.first_version, int)
+            or self.first_version < 0
+        ):
+            raise InvalidArgument(
+                f"MxTrainerInitInfo.first_version: expected an integer >= 0, got {self.first_version!r}"
+            )
         if not isinstance(self.worker, dict):
-            raise InvalidArgument(f"MxTrainerInitInfo.worker: expected a dict, got {type(self.worker).__name__}")
+            raise InvalidArgument(
+                f"MxTrainerInitInfo.worker: expected a dict, got {type(self.worker).__name__}"
+            )
         # Build (and so validate) the worker payload now, on every rank, not at the first RPC.
         self.worker_init_info()
 
@@ -97,7 +113,9 @@ class MxTrainerInitInfo(TrainerInitInfo):
         """The init info every inference worker receives."""
         clash = {"catalog", "model", "token"} & set(self.worker)
         if clash:
-            raise InvalidArgument(f"MxTrainerInitInfo.worker: {sorted(clash)} are set by the trainer info itself")
+            raise InvalidArgument(
+                f"MxTrainerInitInfo.worker: {sorted(clash)} are set by the trainer info itself"
+            )
         try:
             return MxInitInfo(catalog=self.catalog, model=self.model, token=self.token, **self.worker)
         except TypeError as exc:
@@ -113,7 +131,9 @@ def _coordinate(index: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coord))
 
 
-def local_piece(meta: ParamMeta, rank: int, *, index: int = 0, world_size: int = 1) -> tuple[int, int, int] | None:
+def local_piece(
+    meta: ParamMeta, rank: int, *, index: int = 0, world_size: int = 1
+) -> tuple[int, int, int] | None:
     """Where ``rank``'s ``iter_local`` piece of ``meta`` sits in the full tensor.
 
     Returns ``(axis, start, length)`` (``axis == -1``: the whole tensor), or ``None`` when this
@@ -131,7 +151,7 @@ def local_piece(meta: ParamMeta, rank: int, *, index: int = 0, world_size: int =
     mesh_shape = tuple(meta.mesh_shape or (len(owners),))
     coord = _coordinate(owners.index(rank), mesh_shape)
     placements = meta.placements or tuple(Replicate() for _ in mesh_shape)
-    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord)):
+    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord, strict=True)):
         return None
     dims = {p.dim for p in placements if isinstance(p, Shard)}
     if not dims:
@@ -143,7 +163,7 @@ def local_piece(meta: ParamMeta, rank: int, *, index: int = 0, world_size: int =
         )
     (axis,) = dims
     start, length = 0, int(meta.shape[axis])
-    for p, c, k in zip(placements, coord, mesh_shape):
+    for p, c, k in zip(placements, coord, mesh_shape, strict=True):
         if isinstance(p, Shard):
             chunk = math.ceil(length / k) if length else 0
             lo = min(c * chunk, length)
@@ -162,8 +182,8 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
         client: VLLMWeightSyncClient,
         source: WeightSource,
         info: MxTrainerInitInfo,
-        publisher: "Publisher",
-        catalog: "CatalogClient",
+        publisher: Publisher,
+        catalog: CatalogClient,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=info.is_sender, rank=info.rank)
         self.info = info
@@ -273,7 +293,9 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             )
         return out
 
-    def _publishable(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, *, in_place: bool) -> torch.Tensor:
+    def _publishable(
+        self, name: str, tensor: torch.Tensor, dtype: torch.dtype, *, in_place: bool
+    ) -> torch.Tensor:
         tensor = tensor.detach()
         if in_place and tensor.is_contiguous() and tensor.dtype == dtype:
             return tensor  # the live parameter's storage, registered as is
@@ -304,7 +326,12 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
     def _wait_retired(self, version: int) -> None:
         """Non-senders: wait until rank 0 retired ``version`` and no reader holds it."""
         # Covers rank 0's whole round: READY wait, the workers' pull and load, then the drain.
-        deadline = time.monotonic() + self.info.ready_timeout_s + self.info.update_timeout_s + self.info.drain_timeout_s
+        deadline = (
+            time.monotonic()
+            + self.info.ready_timeout_s
+            + self.info.update_timeout_s
+            + self.info.drain_timeout_s
+        )
         delay = 0.01
         while True:
             states = {s.version: s.state for s in self.catalog.list_versions(self.info.model)}
