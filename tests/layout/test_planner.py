@@ -192,3 +192,26 @@ def test_unmapped_descriptors_are_reported_not_planned() -> None:
     plan = plan_receive(version, TargetLayout())
     assert plan.unmapped == ["decoder.final_layernorm.weight"]
     assert "model.norm.weight" not in plan.hf_names
+
+
+def test_benchmark_manifest_is_qwen3_30b_a3b_shaped() -> None:
+    """The benchmark's synthetic manifest plans to the 18,867 HF tensors of Qwen3-30B-A3B with
+    exactly the needed bytes (and the benchmark keeps working)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_planner.py"
+    spec = importlib.util.spec_from_file_location("mx_refit_bench_planner", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    version = bench.manifest(tp=4, pp=1, dp=2, ep=8)
+    plan = plan_receive(version, TargetLayout())
+    assert plan.tensors == 18_867 and len(plan.tensor_specs()) == 18_867
+    assert plan.bytes_pulled == plan.bytes_needed
+    assert len(plan.reads) < plan.tensors // 10  # neighbouring tensors coalesce
+    sliced = plan_receive(
+        version, TargetLayout(tp_rank=3, tp_size=4, ep_rank=1, ep_size=2, full_tensors=False)
+    )
+    assert sliced.tensors == 3 + 48 * (9 + 64 * 3)
+    assert sliced.bytes_pulled == sliced.bytes_needed  # experts whole under EP; rows windows exact

@@ -22,7 +22,7 @@ MoE sets expert TP to 1; with EP == 1 experts are TP-sliced like a dense MLP.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping
 from itertools import accumulate, chain, repeat
 from operator import attrgetter, itemgetter, setitem
@@ -134,13 +134,14 @@ class _Planner:
         self.gaps: list[tuple[str, str]] = []
         self.expert_families: dict[str, int] = {}  # "name with id {E}" -> 0, learned from one id
         self.experts_seen = 0
-        # Set by run(): source ranks, receiver rotation, replica round-robin state, results.
-        self.order: dict[str, int] = {}
-        self.rotation = 0
-        self.replica_state: dict[tuple[str, ...], list[int]] = {}
+        self.order: dict[str, int] = {}  # source id -> rank in id order
+        # Rotate the replica deal by receiver so workers start on different sources.
+        self.rotation = target.ep_rank * target.tp_size + target.tp_rank
+        self.replica_state: dict[tuple[str, ...], list[int]] = {}  # round robin when sticky_bytes=0
         self.entries: list[Entry] = []
-        self.keys: list[int] = []
-        self.produced: set[str] = set()
+        self.keys: list[int] = []  # arena order: (source rank, remote address) of each tensor
+        self.produced: set[str] = set()  # HF names planned so far
+        self.saw_unmapped = False  # some published name is absent from the name map
 
     # -- driver ----------------------------------------------------------------------------------
     def run(self) -> MegatronReceivePlan:
@@ -148,20 +149,22 @@ class _Planner:
         then the coverage gate; then pass 2 lays out the arena and the reads."""
         version, hf_map = self.version, self.hf_map
         groups = group_sources(version)
-        held = Counter(chain.from_iterable(names for names, _, _ in groups))  # name -> groups holding it
+        # Names several groups hold (dense tensors replicated over EP ranks), by C-level set ops.
+        held: set[str] = set()
+        shared: set[str] = set()
+        for names, _, _ in groups:
+            if held:
+                shared.update(held.intersection(names))
+            held.update(names)
         self.order = {sid: i for i, sid in enumerate(sorted(s.source_id for s in version.sources))}
-        self.rotation = self.target.ep_rank * self.target.tp_size + self.target.tp_rank
-        self.replica_state: dict[tuple[str, ...], list[int]] = {}
-        self.entries: list[Entry] = []
-        self.keys: list[int] = []  # arena order: (source rank, remote address) of each tensor
-        self.produced: set[str] = set()
         general: dict[str, list[Slot]] = {}  # names planned one by one, with their (sids, descs)
-        shared = {name for name, count in held.items() if count > 1} if len(groups) > 1 else set()
         for names, members, sids in groups:
             self._plan_group(names, members, sids, shared, general)
         for mname, pairs in general.items():
             self._plan_one(mname, hf_map[mname], pairs)
-        missing = hf_map.keys() - held.keys()
+        unmapped = sorted(held.difference(hf_map)) if self.saw_unmapped else []
+        # Every mapped name seen in some group and the counts agree: nothing is missing.
+        missing = hf_map.keys() - held if len(held) - len(unmapped) != len(hf_map) else set()
         if missing:
             for mname in hf_map:  # name-map order, for a readable error
                 if mname in missing:
@@ -175,7 +178,7 @@ class _Planner:
                 f"needed range(s) for target {self.target}: {listed}",
                 gaps=list(self.gaps),
             )
-        return self._layout(self.entries, self.keys, sorted(held.keys() - hf_map.keys()))
+        return self._layout(self.entries, self.keys, unmapped)
 
     def _plan_group(
         self,
@@ -197,7 +200,10 @@ class _Planner:
         sigs = list(map(_SIG, first_tensors))
         # Groups of one model (e.g. the EP ranks) usually share the exact position layout: reuse
         # the partition into families instead of re-hashing every signature (C-level compares).
-        mapped = list(map(None.__ne__, entries))
+        mapped = None
+        if None in entries:  # some published names are not in the name map (reported)
+            self.saw_unmapped = True
+            mapped = [entry is not None for entry in entries]
         in_shared = list(map(shared.__contains__, names)) if shared else None
         layout_key = (sigs, mapped, in_shared)
         cached = self.partitions.get(len(names))
@@ -208,7 +214,7 @@ class _Planner:
             general_positions = []
             get = families.get
             for i, sig in enumerate(sigs):
-                if not mapped[i]:
+                if mapped is not None and not mapped[i]:
                     continue  # not in the name map: reported as unmapped
                 if sig[3] >= 0 or (in_shared is not None and in_shared[i]):
                     general_positions.append(i)
