@@ -8,7 +8,8 @@ covers. Thousands of tensors share a handful of geometries (every layer, every e
 planner builds each template once and only instantiates it per tensor (choose a source per slot,
 add addresses): that is what keeps planning a 19k-tensor MoE manifest within milliseconds.
 
-Two shapes of template:
+:func:`build_template` derives the HF outputs, the receiver windows (vLLM's TP/EP sharding) and
+the bands of one geometry, then builds one of two shapes of template:
 
 * rows (dim-0 split, or not split): bands of :mod:`mx_refit.layout.bands` restricted to the
   receiver windows and intersected with each slot; every piece is contiguous on the source and
@@ -261,9 +262,8 @@ def build_template(
         ):
             raise ValueError(f"shard at offset {offset} of local shape {local} does not fit {gshape}")
     sliced = not tgt.full_tensors
-    whole_experts = (
-        role in (Role.EXPERT_COLUMN, Role.EXPERT_ROW) and tgt.ep_size > 1
-    )  # vLLM EP: expert TP = 1
+    # vLLM's expert parallelism keeps expert TP at 1: an EP receiver takes its experts whole.
+    whole_experts = role in (Role.EXPERT_COLUMN, Role.EXPERT_ROW) and tgt.ep_size > 1
 
     row_parallel = role in (Role.ROW, Role.EXPERT_ROW) and len(gshape) == 2
     if axis == 1 or row_parallel:
