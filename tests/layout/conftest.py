@@ -1,4 +1,7 @@
-"""Shared fixtures of the layout tests: tiny HF checkpoints, the Bridge import, markers."""
+"""Shared fixtures of the layout tests: tiny HF checkpoints and the Bridge import.
+
+The ``slow`` marker (the full verify matrix) is declared in pyproject.toml and deselected by default.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +16,6 @@ _REPO = Path(__file__).resolve().parents[2]
 for _path in (str(_REPO), str(_REPO / "core" / "src")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: long multi-process matrix cells; run with -m slow")
 
 
 @pytest.fixture(scope="session")

@@ -302,6 +302,11 @@ def _role_from_megatron(param: Any, module: Any, *, leaf: str, is_expert: bool, 
                         module_path: str, kinds: Mapping[str, frozenset[str]], name: str) -> Role:
     if "LayerNormColumnParallelLinear" in module_class and leaf.startswith("layer_norm_"):
         return Role.REPLICATED  # TE fuses the preceding norm into the column-parallel linear
+    if is_expert and module_path.endswith(("linear_fc1", "linear_fc2")):
+        # An expert's fc1 is its fused [gate; up] (column), its fc2 the down projection (row).
+        if module_path.endswith("linear_fc1"):
+            return Role.EXPERT_COLUMN
+        return Role.EXPERT_ROW if param.dim() >= 2 else Role.REPLICATED
     if hasattr(param, "tensor_model_parallel"):
         kind = "replicated"
         if param.tensor_model_parallel:
