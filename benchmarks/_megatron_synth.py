@@ -241,13 +241,16 @@ def megatron_params(shape: ModelShape, layout: TrainerLayout) -> list[MegatronPa
                                      (p + "post_attention_layernorm.weight",), "AutoMapping", (h,), 1))
             out.append(MegatronParam(m + "mlp.router.weight", Role.REPLICATED, (p + "mlp.gate.weight",),
                                      "AutoMapping", (shape.experts, h), 1))
+            # TEGroupedMLP registers linear_fc1.weight0..N, then linear_fc2.weight0..N: that order.
             for e in range(shape.experts):
                 x = f"{p}mlp.experts.{e}."
                 out.append(MegatronParam(f"{m}mlp.experts.linear_fc1.weight{e}", Role.EXPERT_COLUMN,
                                          (x + "gate_proj.weight", x + "up_proj.weight"), "GatedMLPMapping",
                                          (2 * shape.moe_ffn, h), etp, e))
+            for e in range(shape.experts):
                 out.append(MegatronParam(f"{m}mlp.experts.linear_fc2.weight{e}", Role.EXPERT_ROW,
-                                         (x + "down_proj.weight",), "AutoMapping", (h, shape.moe_ffn), etp, e))
+                                         (f"{p}mlp.experts.{e}.down_proj.weight",), "AutoMapping",
+                                         (h, shape.moe_ffn), etp, e))
         else:
             out.append(MegatronParam(m + "mlp.linear_fc1.layer_norm_weight", Role.REPLICATED,
                                      (p + "post_attention_layernorm.weight",), "AutoMapping", (h,), 1))
