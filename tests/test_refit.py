@@ -128,3 +128,27 @@ def test_unknown_and_not_ready_versions_are_clear_errors(trainers, mx_catalog, m
             rec.refit(1)
         with pytest.raises((NotFound, FailedPrecondition)):
             rec.refit(min_version=1, wait_s=0.3)
+
+
+def test_adjacent_but_separately_registered_tensors_are_never_merged(mx_catalog, mx_model_name):
+    """Back-to-back allocations are separate NIXL regions: one descriptor spanning both fails.
+
+    ``torch.from_numpy`` on two halves of one array gives two storages that touch in memory,
+    exactly what the CUDA caching allocator or safetensors produce for real parameters.
+    """
+    import numpy as np
+
+    from mx_refit.publisher import Publisher
+    from mx_refit.types import PublishedTensor
+
+    backing = np.arange(2 * 4096, dtype=np.float32)
+    first, second = torch.from_numpy(backing[:4096]), torch.from_numpy(backing[4096:])
+    assert first.data_ptr() + first.nbytes == second.data_ptr()
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    with Publisher(mx_catalog, mx_model_name) as pub, Receiver(mx_catalog, mx_model_name) as rec:
+        pub.publish(1, [PublishedTensor("a", first), PublishedTensor("b", second)])
+        assert len(rec.discover(1).sources[0].regions) == 2
+        result = rec.refit(1)
+        got = dict(result.tensors)
+        assert torch.equal(got["a"], first) and torch.equal(got["b"], second)
+        assert result.stats.descriptors == 2  # adjacent on both sides, but two regions

@@ -120,12 +120,14 @@ class Publisher:
         assert tensors is not None
         descriptors = tuple(describe(t) for t in tensors)
         self.transport.register_many([t.tensor for t in tensors])
+        regions = sorted({self.transport.region_of(t.tensor) for t in tensors if t.tensor.numel()})
         source = SourceInfo(
             source_id=self.source_id,
             mesh=self.mesh,
             agent_name=self.transport.agent_name,
             agent_metadata=self.transport.metadata(),
             tensors=descriptors,
+            regions=tuple(regions),
         )
         self.client.register_source(
             model=self.model,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit._heartbeat import Heartbeat
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, TransferError
-from mx_refit.types import RefitStats, TargetLayout, VersionInfo
+from mx_refit.types import RefitStats, SourceInfo, TargetLayout, VersionInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -173,6 +173,8 @@ class Receiver:
         import torch
 
         if self._arena is None or self._arena.numel() < nbytes:
+            if self._arena is not None:
+                self.transport.deregister(self._arena)
             self._arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.transport.register(self._arena)
         return self._arena
@@ -183,7 +185,7 @@ class Receiver:
         Trainers republish the same buffers every step, so from the second cycle on the layout
         (sources, descriptors, sidecar) is unchanged and neither planning nor coalescing is redone.
         """
-        from mx_refit.transport.ranges import coalesce
+        from mx_refit.transport.ranges import coalesce, split_at
 
         key = _layout_key(info, self.target)
         if self._cached_plan is not None and self._cached_plan[0] == key:
@@ -192,7 +194,11 @@ class Receiver:
         grouped: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
         for read in plan.reads:
             grouped[read.source_id].append((read.remote_addr, read.local_offset, read.nbytes))
-        requests = {source_id: coalesce(ops) for source_id, ops in grouped.items()}
+        sources = {s.source_id: s for s in info.sources}
+        requests = {
+            source_id: split_at(coalesce(ops), _region_edges(sources[source_id]))
+            for source_id, ops in grouped.items()
+        }
         for source in info.sources:
             kinds = {(d.mem_type.value, d.device_id) for d in source.tensors}
             if len(kinds) > 1:
@@ -233,6 +239,7 @@ class Receiver:
         stats = self.transport.read_many(
             ops, remote_mem=remote_mem, remote_dev=remote_dev,
             local_mem=local_mem, local_dev=local_dev, timeout_s=self.transfer_timeout_s,
+            merge=False,  # already coalesced and cut at the sources' region edges (see _plan)
         )
         moved = sum(s.nbytes for s in stats.values())
         if moved != expected:
@@ -251,12 +258,19 @@ class Receiver:
         self.close()
 
 
+def _region_edges(source: SourceInfo) -> list[int]:
+    """Sorted start/end addresses of the source's registered regions (each tensor's own extent
+    when the source did not say), where a merged read must be cut."""
+    spans = source.regions or tuple((d.addr, d.nbytes) for d in source.tensors)
+    return sorted({edge for addr, nbytes in spans for edge in (addr, addr + nbytes)})
+
+
 def _layout_key(info: VersionInfo, target: TargetLayout) -> int:
     """A fingerprint of everything a plan depends on (not the version number or NIXL metadata)."""
     import json
 
     sources = tuple(
-        (s.source_id, tuple(
+        (s.source_id, s.regions, tuple(
             (d.name, d.dtype, d.global_shape, d.local_shape, d.addr, d.nbytes, d.role, d.shard_axis,
              d.shard_offset, d.mem_type, d.device_id, repr(d.extras) if d.extras else "")
             for d in s.tensors

@@ -120,7 +120,13 @@ class TensorDescriptor:
 
 @dataclass(frozen=True)
 class SourceInfo:
-    """A publishing process (a trainer rank or a replica) and everything a reader needs of it."""
+    """A publishing process (a trainer rank or a replica) and everything a reader needs of it.
+
+    ``regions`` are the ``(addr, nbytes)`` memory regions the source registered with NIXL. A
+    NIXL descriptor must lie inside one registered region, so readers never merge reads across
+    a region boundary even when two regions happen to be adjacent in memory (back-to-back
+    allocations). Empty: readers treat every tensor as its own region.
+    """
 
     source_id: str
     mesh: MeshPosition
@@ -128,6 +134,7 @@ class SourceInfo:
     agent_metadata: bytes
     tensors: tuple[TensorDescriptor, ...]
     ready: bool = False
+    regions: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

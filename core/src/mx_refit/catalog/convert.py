@@ -214,6 +214,11 @@ def source_to_proto(source: SourceInfo, msg: pb.SourceInfo | None = None) -> pb.
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
     for index, desc in enumerate(source.tensors):
         _fill_descriptor(msg.tensors.add(), desc, f"source.tensors[{index}]")
+    for index, (addr, nbytes) in enumerate(source.regions):
+        try:
+            msg.regions.add(addr=addr, nbytes=nbytes)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"source.regions[{index}]: ({addr!r}, {nbytes!r}): {exc}") from None
     return msg
 
 
@@ -229,6 +234,7 @@ def source_from_proto(msg: pb.SourceInfo, field: str = "source") -> SourceInfo:
             for i, desc in enumerate(msg.tensors)
         ),
         ready=msg.ready,
+        regions=tuple((r.addr, r.nbytes) for r in msg.regions),
     )
 
 

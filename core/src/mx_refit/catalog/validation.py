@@ -8,6 +8,8 @@ its lock, so a rejected request never touches catalog state.
 
 from __future__ import annotations
 
+import bisect
+
 import json
 import math
 import numbers
@@ -437,6 +439,7 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         clean.append(checked)
     if not isinstance(source.ready, bool):
         raise InvalidArgument(f"source.ready: must be a bool, got {source.ready!r}")
+    regions = _validate_regions(source.regions, clean, limits)
     return SourceInfo(
         source_id=source_id,
         mesh=mesh,
@@ -444,7 +447,45 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         agent_metadata=metadata,
         tensors=tuple(clean),
         ready=source.ready,
+        regions=regions,
     )
+
+
+def _validate_regions(
+    regions: object, tensors: Sequence[TensorDescriptor], limits: CatalogLimits
+) -> tuple[tuple[int, int], ...]:
+    """Regions are well formed, and every tensor lies inside one of them (when any are given)."""
+    if isinstance(regions, (str, bytes)) or not isinstance(regions, Sequence):
+        raise InvalidArgument(f"source.regions: must be a sequence, got {type(regions).__name__}")
+    if len(regions) > limits.max_descriptors_per_source:
+        raise InvalidArgument(
+            f"source.regions: {len(regions)} regions exceed the limit of {limits.max_descriptors_per_source}"
+        )
+    clean: list[tuple[int, int]] = []
+    for index, region in enumerate(regions):
+        if not (isinstance(region, Sequence) and len(region) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in region)):
+            raise InvalidArgument(f"source.regions[{index}]: expected (addr, nbytes) integers, got {region!r}")
+        addr, nbytes = region
+        if addr < 0 or nbytes <= 0:
+            raise InvalidArgument(f"source.regions[{index}]: ({addr}, {nbytes}) needs addr >= 0 and nbytes > 0")
+        clean.append((addr, nbytes))
+    clean.sort()
+    if clean:
+        starts = [a for a, _ in clean]
+        for index, desc in enumerate(tensors):
+            if desc.nbytes == 0:
+                continue
+            i = bisect.bisect_right(starts, desc.addr) - 1
+            # Regions may nest or overlap; any one containing the tensor will do.
+            while i >= 0 and not (clean[i][0] + clean[i][1] >= desc.addr + desc.nbytes):
+                i -= 1
+            if i < 0:
+                raise InvalidArgument(
+                    f"source.tensors[{index}] ({desc.name!r}): bytes {desc.addr:#x}+{desc.nbytes} lie "
+                    "outside every registered region in source.regions"
+                )
+    return tuple(clean)
 
 
 def describe_mesh(mesh: MeshPosition) -> str:

@@ -260,6 +260,17 @@ class NixlTransport:
                 count += len(kept)
             return count
 
+    def region_of(self, tensor: "torch.Tensor") -> tuple[int, int]:
+        """The registered region ``(addr, nbytes)`` holding ``tensor``'s bytes (register it first)."""
+        mem, dev = _tensor_location(tensor)
+        addr, nbytes = _tensor_span(tensor)
+        with self._lock:
+            index = self._regions.get((mem, dev))
+            found = index.find(addr, max(nbytes, 1)) if index is not None else None
+        if found is None:
+            raise InvalidArgument(f"tensor bytes {addr:#x}+{nbytes} ({mem} device {dev}) are not registered")
+        return found
+
     def is_registered(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> bool:
         """Whether local bytes ``[addr, addr + nbytes)`` lie inside registered memory."""
         with self._lock:
@@ -423,12 +434,16 @@ class NixlTransport:
         local_mem: str = "DRAM",
         local_dev: int = 0,
         timeout_s: float | None = None,
+        merge: bool = True,
     ) -> dict[str, TransferStats]:
         """READ from several peers at once: every peer's request is posted before waiting on any,
         so the transfers overlap. ``remote_mem``/``remote_dev`` may be per-peer mappings (each
         trainer rank's GPU). Retry and error semantics are per peer as in :meth:`read`; after all
         peers settle, any that failed raise one :class:`TransferError` naming all of them (its
-        ``source_id`` is the first). Everything is validated before anything is posted."""
+        ``source_id`` is the first). Everything is validated before anything is posted.
+
+        ``merge=False`` posts ``ops`` as given: for callers that already coalesced them and cut
+        them at the remote's registration boundaries, which this transport cannot see."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise InvalidArgument(f"timeout_s: {timeout} must be > 0")
@@ -446,7 +461,7 @@ class NixlTransport:
                 r_dev = remote_dev[key] if isinstance(remote_dev, Mapping) else remote_dev
                 _check_mem(f"remote_mem[{key}]", r_mem)
                 try:
-                    merged = coalesce(ops)
+                    merged = coalesce(ops) if merge else [(int(r), int(lo), int(n)) for r, lo, n in ops if n]
                 except ValueError as exc:
                     raise InvalidArgument(f"peer {key}: ops: {exc}") from exc
                 for remote, local, n in merged:

@@ -91,6 +91,27 @@ def coalesce(ops: Iterable[Range]) -> list[Range]:
     return [(r, l, n) for r, l, n in merged]
 
 
+def split_at(ops: Sequence[Range], boundaries: Sequence[int]) -> list[Range]:
+    """Cut ranges wherever they cross a remote ``boundary`` (sorted addresses).
+
+    NIXL descriptors must stay inside one registered region; coalescing ranges that are adjacent
+    in memory can cross from one region into the next, so merged ranges are cut back at region
+    edges.
+    """
+    out: list[Range] = []
+    for remote, local, n in ops:
+        end = remote + n
+        i = bisect.bisect_right(boundaries, remote)
+        while i < len(boundaries) and boundaries[i] < end:
+            cut = boundaries[i]
+            out.append((remote, local, cut - remote))
+            local += cut - remote
+            remote = cut
+            i += 1
+        out.append((remote, local, end - remote))
+    return out
+
+
 def check_local_disjoint(ranges: Iterable[Sequence[int]]) -> None:
     """Raise ValueError if two ``(remote, local, nbytes)`` ranges write the same local byte
     (run it on coalesced ranges: same-displacement overlaps are merged there, not conflicts)."""
@@ -134,6 +155,15 @@ class RegionIndex:
     def contains(self, addr: int, nbytes: int) -> bool:
         i = bisect.bisect_right(self.starts, addr) - 1
         return i >= 0 and self.prefix_max_end[i] >= addr + nbytes
+
+    def find(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        """A region ``(start, nbytes)`` containing ``[addr, addr + nbytes)``, or ``None``."""
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i < 0 or self.prefix_max_end[i] < addr + nbytes:
+            return None
+        while self.ends[i] < addr + nbytes:  # prefix_max_end guarantees one exists at or before i
+            i -= 1
+        return self.starts[i], self.ends[i] - self.starts[i]
 
     def __len__(self) -> int:
         return len(self.starts)

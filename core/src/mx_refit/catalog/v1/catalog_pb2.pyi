@@ -97,20 +97,30 @@ class TensorDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
     agent_metadata: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorDescriptor]
     ready: bool
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ...) -> None: ...
+
+class MemoryRegion(_message.Message):
+    __slots__ = ("addr", "nbytes")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    nbytes: int
+    def __init__(self, addr: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
     __slots__ = ("model", "version", "state", "expected_sources", "sources", "sidecar_json")
