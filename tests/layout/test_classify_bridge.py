@@ -110,6 +110,13 @@ def test_single_rank_every_model(tiny_hf, bridge) -> None:
     results = run_cases(1, [Case(k, str(tiny_hf(k))) for k in kinds])
     for case, ranks in results.items():
         check_case(case, ranks)
+        # The plugin hook path (Publisher.publish(model=MegatronSource(...))) records the same.
+        (out,) = ranks
+        via = out["via_hooks"]
+        assert via["state"] == "READY" and via["sidecar"] == out["sidecar"]
+        assert via["descriptors"] == {
+            t["name"]: (t["role"], t["global_shape"], t["local_shape"], t["shard_axis"], t["shard_offset"],
+                        t["extras"]) for t in out["tensors"]}
     moe = results[Case("qwen3_moe", str(tiny_hf("qwen3_moe")))][0]
     assert sum(t["role"] == "expert_column" for t in moe["tensors"]) == 2 * 8
 

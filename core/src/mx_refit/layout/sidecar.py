@@ -76,7 +76,10 @@ def bridge_mapping_kinds(tasks: Iterable[Any]) -> dict[str, BridgeKind]:
         mapping = task.mapping
         detected = getattr(mapping, "_detected_type", None)
         if detected is None and hasattr(mapping, "_detect_parallelism_type"):
-            detected = mapping._detect_parallelism_type(task.megatron_module)  # noqa: SLF001
+            try:
+                detected = mapping._detect_parallelism_type(task.megatron_module)  # noqa: SLF001
+            except ValueError:
+                continue  # Bridge cannot tell either: leave it to the Megatron-Core attributes
         kinds[strip_wrapper_prefix(task.global_param_name)] = BridgeKind(type(mapping).__name__, detected)
     return kinds
 

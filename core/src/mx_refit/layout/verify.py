@@ -39,7 +39,7 @@ from typing import Any
 from mx_refit.layout.verify_expect import checkpoint_dtype, checkpoint_index, compare_received, expected_windows
 from mx_refit.types import TargetLayout
 
-__all__ = ["VerifyRun", "add_verify_arguments", "run_verify", "verify_main"]
+__all__ = ["VerifyRun", "add_verify_arguments", "run_verify", "verify_from_args", "verify_main"]
 
 VERSION = 1
 
@@ -303,24 +303,36 @@ def verify_main(argv: list[str]) -> int:
     """Entry point of ``mx-refit verify``; returns the exit code."""
     parser = argparse.ArgumentParser(prog="mx-refit verify", description=__doc__.split("\n\n")[0])
     add_verify_arguments(parser)
-    args = parser.parse_args(argv)
+    return verify_from_args(parser.parse_args(argv), parser)
+
+
+def verify_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """Run verify from arguments parsed with :func:`add_verify_arguments` (for a host CLI that
+    adds them to its own sub-command parser); returns the exit code."""
+
+    def fail(message: str) -> int:
+        if parser is not None:
+            parser.error(message)  # exits 2
+        print(f"mx-refit verify: error: {message}", file=sys.stderr)
+        return 2
+
     for flag in ("source_tp", "source_pp", "source_ep", "target_tp", "target_ep"):
         if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+            return fail(f"--{flag.replace('_', '-')} must be >= 1")
     if not os.path.isdir(args.hf_dir):
-        parser.error(f"--hf-dir {args.hf_dir!r} is not a directory")
+        return fail(f"--hf-dir {args.hf_dir!r} is not a directory")
     overrides: tuple[dict[str, Any], ...] = ()
     if args.role_overrides:
-        with open(args.role_overrides) as handle:
-            loaded = json.load(handle)
-        if not isinstance(loaded, list) or not all(isinstance(e, dict) for e in loaded):
-            parser.error(f"--role-overrides {args.role_overrides!r}: expected a JSON list of objects")
         from mx_refit.layout.classify import ClassificationError, RoleOverrides
 
         try:
+            with open(args.role_overrides) as handle:
+                loaded = json.load(handle)
+            if not isinstance(loaded, list) or not all(isinstance(e, dict) for e in loaded):
+                raise ValueError("expected a JSON list of objects")
             RoleOverrides.from_config(loaded)  # validate here, before any process starts
-        except ClassificationError as exc:
-            parser.error(f"--role-overrides {args.role_overrides!r}: {exc}")
+        except (OSError, ValueError, ClassificationError) as exc:
+            return fail(f"--role-overrides {args.role_overrides!r}: {exc}")
         overrides = tuple(loaded)
     run = VerifyRun(
         hf_dir=os.path.abspath(args.hf_dir), source_tp=args.source_tp, source_pp=args.source_pp,
@@ -329,15 +341,11 @@ def verify_main(argv: list[str]) -> int:
         role_overrides=overrides,
     )
     summary = run_verify(run, log=lambda msg: print(msg, file=sys.stderr, flush=True))[(args.target_tp, args.target_ep)]
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(json.dumps(summary, indent=2))
+    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2), flush=True)
     if "error" in summary:
         return 2
     ok = summary["identical"] == summary["tensors"] and not summary["mismatched"] and not summary["missing"]
     return 0 if ok else 1
-
 
 if __name__ == "__main__":  # pragma: no cover - `python -m mx_refit.layout.verify ...`
     sys.exit(verify_main(sys.argv[1:]))
