@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gen_protos.py"
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_protos_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess[str]:
@@ -37,18 +27,24 @@ def test_gen_protos_check_passes_on_the_committed_files() -> None:
     assert "current" in result.stdout
 
 
-def test_gen_protos_check_detects_a_stale_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    script = load_script()
+def test_gen_protos_check_detects_a_stale_file(tmp_path: Path) -> None:
+    # In a subprocess: grpc_tools' protoc links its own libprotobuf, and once loaded into a
+    # process it makes a later import of NIXL's bundled libraries abort that process.
     package = tmp_path / "mx_refit" / "catalog" / "v1"
     shutil.copytree(REPO / "core" / "src" / "mx_refit" / "catalog" / "v1", package)
     stale = package / "catalog_pb2_grpc.py"
     stale.write_text(stale.read_text() + "\n# hand edit\n")
-    monkeypatch.setattr(script, "SRC", tmp_path)
-    assert script.check() == ["mx_refit/catalog/v1/catalog_pb2_grpc.py"]
-    (package / "catalog_pb2.pyi").unlink()
-    assert script.main(["--check"]) == 1
+    code = (
+        "import importlib.util, pathlib, sys\n"
+        f"spec = importlib.util.spec_from_file_location('gen_protos_under_test', {str(SCRIPT)!r})\n"
+        "script = importlib.util.module_from_spec(spec); spec.loader.exec_module(script)\n"
+        f"script.SRC = pathlib.Path({str(tmp_path)!r})\n"
+        "assert script.check() == ['mx_refit/catalog/v1/catalog_pb2_grpc.py'], script.check()\n"
+        f"pathlib.Path({str(package / 'catalog_pb2.pyi')!r}).unlink()\n"
+        "sys.exit(script.main(['--check']))\n"
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 1, result.stderr
 
 
 def test_importing_the_catalog_does_not_import_grpc_or_protobuf() -> None:
