@@ -106,11 +106,17 @@ class Receiver:
             delay = min(delay * 2, 0.5)
 
     # -- the refit cycle ------------------------------------------------------------------------
-    def refit(self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0) -> RefitResult:
+    def refit(
+        self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0, notify: bool = True
+    ) -> RefitResult:
         """Discover, lease, pull every needed byte, release, then materialise and load.
 
         Nothing reaches the engine until every byte has arrived and been size-checked, so a
         failed pull leaves the engine's previous weights untouched.
+
+        :param notify: fire ``mx_refit_refit_done`` at the end. Engines that load the returned
+            tensors themselves pass ``False`` and call ``hooks.refit_done(result.stats)`` once
+            their load finished.
         """
         info = self.discover(version, min_version=min_version, wait_s=wait_s)
         planned = time.perf_counter()
@@ -153,7 +159,8 @@ class Receiver:
             sources=len(requests),
             plan_seconds=plan_seconds,
         )
-        self.hooks.refit_done(stats)
+        if notify:
+            self.hooks.refit_done(stats)
         log.info(
             "refit %s v%d: %d tensors, %.1f MB in %.3fs (%.2f GB/s)",
             self.model, info.version, stats.tensors, pulled / 1e6, seconds, stats.gbps,

@@ -200,7 +200,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         )
         try:
             receiver = self._receiver(model_name)
-            result = receiver.refit(update_info.version, min_version=update_info.min_version, wait_s=wait_s)
+            result = receiver.refit(
+                update_info.version, min_version=update_info.min_version, wait_s=wait_s, notify=False
+            )
             what = f"version {result.version.version} of {model_name!r}"
             if init.strict_names:
                 check_names(
@@ -218,6 +220,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             raise
         self._load(session, result.tensors, what)
         session.loaded.append(result.stats)
+        assert self._hooks is not None  # set by _receiver()
+        self._hooks.refit_done(result.stats)  # only now: the model has the weights
 
     def finish_weight_update(self) -> None:
         """Finalize layerwise reload (process + copy into the kernel tensors) and close the session."""
