@@ -24,3 +24,22 @@ def test_demo_json_reports_every_tensor_identical():
     assert summary["bytes_per_cycle"] > 300e6
     assert len(summary["gbps"]) == 3 and all(g > 0 for g in summary["gbps"])
     assert "cycle 3/3" in out.stderr  # progress goes to stderr when --json owns stdout
+
+
+@pytest.mark.timeout(900)
+def test_demo_with_a_megatron_model(tmp_path):
+    """`demo --model HF_DIR`: Bridge-built Megatron TP=2 ranks -> receivers at TP 1 and 2."""
+    from tests.fixtures.tiny_hf import build_tiny_hf
+
+    hf_dir = build_tiny_hf("qwen2", tmp_path / "qwen2")
+    out = subprocess.run(
+        [sys.executable, "-m", "mx_refit.cli", "demo", "--model", str(hf_dir), "--json"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"tp1", "tp2"}
+    for target in summary.values():
+        assert target["tensors"] > 0 and target["identical"] == target["tensors"]
+        assert target["mismatched"] == [] and target["missing"] == []
+        assert target["bytes_pulled"] == target["bytes_needed"]
