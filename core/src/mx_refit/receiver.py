@@ -273,9 +273,18 @@ def _region_edges(source: SourceInfo) -> list[int]:
 
 
 def _layout_key(info: VersionInfo, target: TargetLayout) -> int:
-    """A fingerprint of everything a plan depends on (not the version number or NIXL metadata)."""
+    """A fingerprint of everything a plan depends on (not the version number or NIXL metadata).
+
+    The catalog stamps every source with a digest of its descriptors and regions, and the
+    version with one of its sidecar: when all are there, the key is built from them, without
+    walking every descriptor or re-encoding the sidecar. Otherwise (a VersionInfo built by
+    hand, or an older catalog) every descriptor is walked.
+    """
     import json
 
+    if info.sidecar_digest and all(s.layout_digest for s in info.sources):
+        digests = tuple((s.source_id, s.layout_digest) for s in info.sources)
+        return hash((info.model, target, "digests", digests, info.sidecar_digest))
     sources = tuple(
         (s.source_id, s.regions, tuple(
             (d.name, d.dtype, d.global_shape, d.local_shape, d.addr, d.nbytes, d.role, d.shard_axis,

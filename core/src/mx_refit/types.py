@@ -126,6 +126,10 @@ class SourceInfo:
     NIXL descriptor must lie inside one registered region, so readers never merge reads across
     a region boundary even when two regions happen to be adjacent in memory (back-to-back
     allocations). Empty: readers treat every tensor as its own region.
+
+    ``layout_digest`` is set by the catalog (anything a publisher sends is ignored): a stable
+    hash of ``tensors`` and ``regions``, equal exactly when they are. It lets readers recognise
+    an unchanged layout without walking it; being derived data, it takes no part in ``==``.
     """
 
     source_id: str
@@ -135,11 +139,16 @@ class SourceInfo:
     tensors: tuple[TensorDescriptor, ...]
     ready: bool = False
     regions: tuple[tuple[int, int], ...] = ()
+    layout_digest: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
 class VersionInfo:
-    """A version's manifest: all its sources, their descriptors and the model-level sidecar."""
+    """A version's manifest: all its sources, their descriptors and the model-level sidecar.
+
+    ``sidecar_digest`` is set by the catalog: a stable hash of the merged sidecar (like
+    :attr:`SourceInfo.layout_digest`, derived data that takes no part in ``==``).
+    """
 
     model: str
     version: int
@@ -147,6 +156,7 @@ class VersionInfo:
     expected_sources: int
     sources: tuple[SourceInfo, ...]
     sidecar: dict[str, Any] = field(default_factory=dict)
+    sidecar_digest: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from mx_refit.catalog.digests import sidecar_digest
 from mx_refit.catalog.validation import json_text
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import Role, SourceInfo, VersionInfo, VersionState
@@ -17,6 +18,7 @@ from mx_refit.types import Role, SourceInfo, VersionInfo, VersionState
 __all__ = [
     "Deadlines",
     "LeaseRecord",
+    "Manifest",
     "SourceLife",
     "TensorIndex",
     "Timed",
@@ -51,6 +53,33 @@ class LeaseRecord(Timed):
     record: VersionRecord | None = None
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """A version as the catalog serves it: sources with their layout digests, and the merged
+    sidecar as canonical JSON text with its digest (decoded only by whoever needs a dict, so
+    the gRPC servicer sends it without a decode/encode round)."""
+
+    model: str
+    version: int
+    state: VersionState
+    expected_sources: int
+    sources: tuple[SourceInfo, ...]
+    sidecar_text: str
+    sidecar_digest: str
+
+    def version_info(self) -> VersionInfo:
+        """The manifest as a :class:`VersionInfo` (its sidecar a fresh copy per call)."""
+        return VersionInfo(
+            model=self.model,
+            version=self.version,
+            state=self.state,
+            expected_sources=self.expected_sources,
+            sources=self.sources,
+            sidecar=json.loads(self.sidecar_text),
+            sidecar_digest=self.sidecar_digest,
+        )
+
+
 # name -> (dtype, global_shape, role, source_id that registered it first)
 TensorIndex = dict[str, tuple[str, tuple[int, ...], Role, str]]
 
@@ -64,7 +93,8 @@ class VersionRecord:
     sources: dict[str, SourceInfo] = field(default_factory=dict)
     sidecars: dict[str, dict[str, Any]] = field(default_factory=dict)  # per source, as sent
     sidecar: dict[str, Any] = field(default_factory=dict)  # merged
-    sidecar_text: str | None = None  # cached JSON of ``sidecar``
+    sidecar_text: str | None = None  # cached JSON of ``sidecar``; None after every change
+    sidecar_digest: str = ""  # digest of ``sidecar_text`` (valid while that is not None)
     tensors: TensorIndex = field(default_factory=dict)
     leases: dict[str, LeaseRecord] = field(default_factory=dict)
 
@@ -72,17 +102,19 @@ class VersionRecord:
     def label(self) -> str:
         return f"model {self.model!r} version {self.version}"
 
-    def info(self) -> VersionInfo:
+    def manifest(self) -> Manifest:
         """The manifest, sources ordered by mesh position (pp, ep, tp) then id."""
-        if self.sidecar_text is None:
+        if self.sidecar_text is None:  # encoded and hashed once per change, not per reader
             self.sidecar_text = json_text(self.sidecar)
-        return VersionInfo(
+            self.sidecar_digest = sidecar_digest(self.sidecar_text)
+        return Manifest(
             model=self.model,
             version=self.version,
             state=self.state,
             expected_sources=self.expected_sources,
             sources=tuple(sorted(self.sources.values(), key=_mesh_order)),
-            sidecar=json.loads(self.sidecar_text),  # a fresh copy per caller
+            sidecar_text=self.sidecar_text,
+            sidecar_digest=self.sidecar_digest,
         )
 
 

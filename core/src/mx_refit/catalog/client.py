@@ -5,6 +5,10 @@ It mirrors :class:`~mx_refit.catalog.service.CatalogService` method for method (
 ``Unauthenticated`` (bad token) and ``Unavailable`` (catalog unreachable after the retry
 budget). It is thread-safe, and pickles as its configuration only: each process (and each
 forked child) opens its own channel on first use.
+
+``get_version`` keeps the layouts and sidecars it received (a bounded
+:class:`~mx_refit.catalog.digests.ManifestCache`) and announces their digests, so the catalog
+sends an unchanged layout or sidecar only once; results equal a full fetch.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from google.protobuf.message import Message
 
 from mx_refit.catalog import convert
 from mx_refit.catalog.api import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TTL_S, VersionSummary
+from mx_refit.catalog.digests import (
+    NOTHING_KNOWN,
+    Known,
+    ManifestCache,
+    ManifestStats,
+    UnknownDigest,
+)
 from mx_refit.catalog.status import RETRYABLE, error_for
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
@@ -57,6 +68,8 @@ class CatalogClient:
     :param retries: extra attempts after UNAVAILABLE or DEADLINE_EXCEEDED (never after any
         other status), with exponential backoff from ``backoff_s``; then ``Unavailable``.
     :param max_message_bytes: largest request/reply the channel accepts.
+    :param manifest_cache_versions: per model, how many recent ``get_version`` results' layouts
+        and sidecars are kept to be left out of later replies (0: always fetch everything).
     """
 
     def __init__(
@@ -68,6 +81,7 @@ class CatalogClient:
         *,
         backoff_s: float = 0.1,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        manifest_cache_versions: int = 2,
     ) -> None:
         if not isinstance(address, str) or not address:
             raise InvalidArgument(
@@ -77,12 +91,18 @@ class CatalogClient:
             raise InvalidArgument(f"timeout_s: {timeout_s} must be > 0")
         if retries < 0:
             raise InvalidArgument(f"retries: {retries} must be >= 0")
+        if manifest_cache_versions < 0:
+            raise InvalidArgument(
+                f"manifest_cache_versions: {manifest_cache_versions} must be >= 0"
+            )
         self.address = address
         self._token = check_token(token)
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
         self.max_message_bytes = int(max_message_bytes)
+        self.manifest_cache_versions = int(manifest_cache_versions)
+        self._manifests = ManifestCache(versions=self.manifest_cache_versions)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
@@ -99,6 +119,7 @@ class CatalogClient:
             "retries": self.retries,
             "backoff_s": self.backoff_s,
             "max_message_bytes": self.max_message_bytes,
+            "manifest_cache_versions": self.manifest_cache_versions,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -109,6 +130,7 @@ class CatalogClient:
             state["retries"],
             backoff_s=state["backoff_s"],
             max_message_bytes=state["max_message_bytes"],
+            manifest_cache_versions=state.get("manifest_cache_versions", 2),
         )
 
     def __repr__(self) -> str:
@@ -276,10 +298,54 @@ class CatalogClient:
     def get_version(
         self, model: str, version: int | None = None, min_version: int = 0
     ) -> VersionInfo:
-        """See :meth:`CatalogService.get_version`."""
+        """See :meth:`CatalogService.get_version`.
+
+        Layouts and sidecars this client received for ``model`` in recent calls are announced
+        by digest; the catalog leaves those out and they are filled in from the cache, so the
+        result equals a full fetch. Results share the cached descriptor tuples and sidecar
+        dict with earlier results: treat them as read-only (as with the in-process service).
+        """
+        known = self._manifests.known(model) if isinstance(model, str) else NOTHING_KNOWN
+        try:
+            info = self._fetch_version(model, version, min_version, known)
+        except UnknownDigest:
+            if known is NOTHING_KNOWN:
+                raise  # the catalog left out what nobody announced: never return partial data
+            # The catalog left out something this client does not hold (a catalog answering
+            # for another reader's digests, or a bug): ask again, announcing nothing.
+            self._manifests.count(refetches=1)
+            info = self._fetch_version(model, version, min_version, NOTHING_KNOWN)
+        self._manifests.remember(model, info)
+        return info
+
+    @property
+    def manifest_stats(self) -> ManifestStats:
+        """Counters of what ``get_version`` replies carried and left out (tests, diagnostics)."""
+        return self._manifests.stats
+
+    def _fetch_version(
+        self, model: str, version: int | None, min_version: int, known: Known
+    ) -> VersionInfo:
         exact = {} if version is None else {"version": version}
-        request = _request(pb.GetVersionRequest, model=model, min_version=min_version, **exact)
-        return convert.version_info_from_proto(self._call("GetVersion", request).version_info)
+        request = _request(
+            pb.GetVersionRequest,
+            model=model,
+            min_version=min_version,
+            known_layout_digests=known.layout_digests,
+            known_sidecar_digest=known.sidecar_digest,
+            **exact,
+        )
+        msg = self._call("GetVersion", request).version_info
+        sent = [len(source.tensors) for source in msg.sources if not source.tensors_omitted]
+        self._manifests.count(
+            replies=1,
+            sources_sent=len(sent),
+            sources_omitted=len(msg.sources) - len(sent),
+            descriptors_sent=sum(sent),
+            sidecars_sent=0 if msg.sidecar_omitted else 1,
+            sidecars_omitted=1 if msg.sidecar_omitted else 0,
+        )
+        return convert.version_info_from_proto(msg, known)
 
     def list_versions(self, model: str) -> list[VersionSummary]:
         """See :meth:`CatalogService.list_versions`."""

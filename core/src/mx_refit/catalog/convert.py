@@ -6,6 +6,11 @@ nested dicts round-trip unchanged; tuples arrive as lists. An empty string stand
 
 Malformed input in either direction raises :class:`~mx_refit.errors.InvalidArgument` naming the
 field. Semantic validation (shapes, sizes, consistency) is the service's job, not this module's.
+
+GetVersion replies may leave out a source's tensors and regions, or the sidecar, that the reader
+announced it holds (by digest, see :mod:`mx_refit.catalog.digests`): :func:`manifest_to_proto`
+decides what to leave out, :func:`version_info_from_proto` completes a reply from the reader's
+:class:`~mx_refit.catalog.digests.Known` snapshot.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from mx_refit.catalog._records import Manifest
 from mx_refit.catalog.api import VersionSummary
+from mx_refit.catalog.digests import NOTHING_KNOWN, Known, UnknownDigest
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.validation import json_text, to_json_value
 from mx_refit.errors import InvalidArgument
@@ -34,6 +41,7 @@ __all__ = [
     "descriptor_to_proto",
     "json_from_text",
     "json_to_text",
+    "manifest_to_proto",
     "mesh_from_proto",
     "mesh_to_proto",
     "source_from_proto",
@@ -199,8 +207,11 @@ def descriptor_from_proto(msg: pb.TensorDescriptor, field: str = "tensor") -> Te
     )
 
 
-def source_to_proto(source: SourceInfo, msg: pb.SourceInfo | None = None) -> pb.SourceInfo:
-    """``SourceInfo`` -> message (filled into ``msg`` when given)."""
+def source_to_proto(
+    source: SourceInfo, msg: pb.SourceInfo | None = None, *, omit_tensors: bool = False
+) -> pb.SourceInfo:
+    """``SourceInfo`` -> message (filled into ``msg`` when given); ``omit_tensors`` leaves
+    tensors and regions out and says so (``tensors_omitted``)."""
     msg = pb.SourceInfo() if msg is None else msg
     if not isinstance(source, SourceInfo):
         raise InvalidArgument(f"source: expected a SourceInfo, got {type(source).__name__}")
@@ -210,8 +221,12 @@ def source_to_proto(source: SourceInfo, msg: pb.SourceInfo | None = None) -> pb.
         msg.agent_name = source.agent_name
         msg.agent_metadata = bytes(source.agent_metadata)
         msg.ready = source.ready
+        msg.layout_digest = source.layout_digest
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
+    if omit_tensors:
+        msg.tensors_omitted = True
+        return msg
     for index, desc in enumerate(source.tensors):
         _fill_descriptor(msg.tensors.add(), desc, f"source.tensors[{index}]")
     for index, (addr, nbytes) in enumerate(source.regions):
@@ -222,45 +237,112 @@ def source_to_proto(source: SourceInfo, msg: pb.SourceInfo | None = None) -> pb.
     return msg
 
 
-def source_from_proto(msg: pb.SourceInfo, field: str = "source") -> SourceInfo:
-    """Message -> ``SourceInfo`` (not validated)."""
+def source_from_proto(
+    msg: pb.SourceInfo, field: str = "source", known: Known | None = None
+) -> SourceInfo:
+    """Message -> ``SourceInfo`` (not validated).
+
+    ``known`` is given for GetVersion replies: a source whose ``layout_digest`` the reader holds
+    takes the held tensors and regions (decoding nothing, whether or not they were sent); one
+    left out with a digest the reader does not hold raises :class:`UnknownDigest`. Without
+    ``known`` (a registration), a source may not leave anything out.
+    """
+    digest = msg.layout_digest
+    layout = known.layouts.get(digest) if known is not None and digest else None
+    if layout is not None:
+        tensors, regions = layout.tensors, layout.regions
+    elif msg.tensors_omitted:
+        if known is None:
+            raise InvalidArgument(
+                f"{field}.tensors_omitted: only GetVersion replies may leave tensors out"
+            )
+        raise UnknownDigest(
+            f"{field}: the catalog left out the tensors of source {msg.source_id!r} (layout "
+            f"{digest or '<no digest>'}), which this reader does not hold"
+        )
+    else:
+        tensors = tuple(
+            descriptor_from_proto(desc, f"{field}.tensors[{i}]")
+            for i, desc in enumerate(msg.tensors)
+        )
+        regions = tuple((r.addr, r.nbytes) for r in msg.regions)
     return SourceInfo(
         source_id=msg.source_id,
         mesh=mesh_from_proto(msg.mesh),
         agent_name=msg.agent_name,
         agent_metadata=msg.agent_metadata,
-        tensors=tuple(
-            descriptor_from_proto(desc, f"{field}.tensors[{i}]")
-            for i, desc in enumerate(msg.tensors)
-        ),
+        tensors=tensors,
         ready=msg.ready,
-        regions=tuple((r.addr, r.nbytes) for r in msg.regions),
+        regions=regions,
+        layout_digest=digest,
     )
 
 
 def version_info_to_proto(info: VersionInfo) -> pb.VersionInfo:
-    """``VersionInfo`` -> message."""
+    """``VersionInfo`` -> message (everything included)."""
     msg = pb.VersionInfo(
         model=info.model,
         version=info.version,
         state=state_to_proto(info.state),
         expected_sources=info.expected_sources,
         sidecar_json=json_to_text(info.sidecar, "sidecar"),
+        sidecar_digest=info.sidecar_digest,
     )
     for source in info.sources:
         source_to_proto(source, msg.sources.add())
     return msg
 
 
-def version_info_from_proto(msg: pb.VersionInfo) -> VersionInfo:
-    """Message -> ``VersionInfo``."""
+def manifest_to_proto(
+    manifest: Manifest,
+    known_layouts: Mapping[str, str],
+    known_sidecar: str,
+    msg: pb.VersionInfo | None = None,
+) -> pb.VersionInfo:
+    """A served version -> message (filled into ``msg`` when given), leaving out what the
+    reader holds: the tensors of each source whose ``layout_digest`` equals the reader's for
+    that source id (``known_layouts``), and the sidecar when its digest is ``known_sidecar``.
+    """
+    msg = pb.VersionInfo() if msg is None else msg
+    msg.model = manifest.model
+    msg.version = manifest.version
+    msg.state = state_to_proto(manifest.state)
+    msg.expected_sources = manifest.expected_sources
+    msg.sidecar_digest = manifest.sidecar_digest
+    if known_sidecar and known_sidecar == manifest.sidecar_digest:
+        msg.sidecar_omitted = True
+    elif manifest.sidecar_text != "{}":  # "" stands for {} on the wire
+        msg.sidecar_json = manifest.sidecar_text  # already canonical: no re-encoding
+    for source in manifest.sources:
+        digest = source.layout_digest
+        omit = bool(digest) and known_layouts.get(source.source_id) == digest
+        source_to_proto(source, msg.sources.add(), omit_tensors=omit)
+    return msg
+
+
+def version_info_from_proto(msg: pb.VersionInfo, known: Known | None = None) -> VersionInfo:
+    """Message -> ``VersionInfo``, completed from ``known`` where the reply left parts out
+    (:class:`UnknownDigest` when ``known`` lacks one of them)."""
+    digest = msg.sidecar_digest
+    sidecar = (known or NOTHING_KNOWN).sidecars.get(digest) if digest else None
+    if sidecar is None:
+        if msg.sidecar_omitted:
+            raise UnknownDigest(
+                f"sidecar: the catalog left out sidecar {digest or '<no digest>'}, which this "
+                "reader does not hold"
+            )
+        sidecar = json_from_text(msg.sidecar_json, "sidecar")
     return VersionInfo(
         model=msg.model,
         version=msg.version,
         state=state_from_proto(msg.state),
         expected_sources=msg.expected_sources,
-        sources=tuple(source_from_proto(src, f"sources[{i}]") for i, src in enumerate(msg.sources)),
-        sidecar=json_from_text(msg.sidecar_json, "sidecar"),
+        sources=tuple(
+            source_from_proto(src, f"sources[{i}]", known or NOTHING_KNOWN)
+            for i, src in enumerate(msg.sources)
+        ),
+        sidecar=sidecar,
+        sidecar_digest=digest,
     )
 
 

@@ -15,7 +15,9 @@ proportional to what actually expired) and by :meth:`CatalogService.reap`, which
 reaper thread calls so that drain waiters wake up even when no other traffic arrives.
 
 Returned :class:`~mx_refit.types.VersionInfo` objects share their descriptors with the catalog:
-treat them as read-only (the sidecar is a fresh copy on every call).
+treat them as read-only (the sidecar is a fresh copy on every call). Every registered source is
+stamped with a ``layout_digest`` and every version carries a ``sidecar_digest``
+(:mod:`mx_refit.catalog.digests`), which let readers skip unchanged layouts.
 
 Error choices: an expired lease is reported as ``NotFound`` (it is dropped when it expires, so
 it is indistinguishable from a lease that never existed, and for a reader both mean "acquire a
@@ -37,12 +39,14 @@ from typing import Any
 from mx_refit.catalog._records import (
     Deadlines,
     LeaseRecord,
+    Manifest,
     SourceLife,
     VersionRecord,
     check_tensors_agree,
     index_tensors,
 )
 from mx_refit.catalog.api import DEFAULT_TTL_S, VersionSummary
+from mx_refit.catalog.digests import Layout, stamp_layout
 from mx_refit.catalog.validation import (
     CatalogLimits,
     check_int,
@@ -100,6 +104,9 @@ class CatalogService:
         self._sources: dict[str, SourceLife] = {}
         self._leases: dict[str, LeaseRecord] = {}
         self._deadlines = Deadlines()
+        # Each live source id's last registered layout: a republished identical layout reuses
+        # its descriptor tuple and digest instead of being hashed again.
+        self._layouts: dict[str, Layout] = {}
 
     # --- publisher side -------------------------------------------------------------------
 
@@ -135,6 +142,9 @@ class CatalogService:
         src = validate_source(source, self.limits)
         extra = validate_sidecar(sidecar, self.limits)
         sid = src.source_id
+        with self._cond:
+            previous = self._layouts.get(sid)
+        src, layout = stamp_layout(src, previous)  # outside the lock, like validation
         with self._cond:
             now = self._reap_locked(self._clock())
             rec = self._models.get(model, {}).get(version)
@@ -199,6 +209,7 @@ class CatalogService:
             rec.sidecar_text = None
             rec.sources[sid] = src
             rec.sidecars[sid] = extra
+            self._layouts[sid] = layout
             self._touch_source_locked(sid, ttl, now, rec)
             self._maybe_ready_locked(rec)
             return rec.state
@@ -309,6 +320,13 @@ class CatalogService:
         unknown; ``FailedPrecondition`` (naming the state) when an exact version exists but is
         not READY.
         """
+        return self.get_manifest(model, version, min_version).version_info()
+
+    def get_manifest(
+        self, model: str, version: int | None = None, min_version: int = 0
+    ) -> Manifest:
+        """:meth:`get_version` for transports: the sidecar stays canonical JSON text, with the
+        version's digests, so a server can send it (or leave it out) without decoding it."""
         min_version = check_int(min_version, "min_version", minimum=0)
         if version is not None:
             version = check_int(version, "version", minimum=0)
@@ -336,14 +354,15 @@ class CatalogService:
                         f"(known: {known or 'none'})"
                     )
                 rec = max(ready, key=lambda r: r.version)
-            return rec.info()
+            return rec.manifest()
 
     def inspect_version(self, model: str, version: int) -> VersionInfo:
         """A version's manifest in whatever state it is (diagnostics; readers use
         :meth:`get_version`, which only offers READY versions)."""
         with self._cond:
             self._reap_locked(self._clock())
-            return self._record_locked(model, version).info()
+            manifest = self._record_locked(model, version).manifest()
+        return manifest.version_info()
 
     def list_versions(self, model: str) -> list[VersionSummary]:
         """Summaries of the versions of ``model`` the catalog remembers, oldest first.
@@ -463,8 +482,11 @@ class CatalogService:
     def _same_registration(
         rec: VersionRecord, old: SourceInfo, new: SourceInfo, sidecar: dict[str, Any]
     ) -> bool:
-        return replace(new, ready=old.ready) == old and same_json(
-            rec.sidecars[old.source_id], sidecar
+        # Digests first: type-strict on extras, and cheap to compare.
+        return (
+            new.layout_digest == old.layout_digest
+            and replace(new, ready=old.ready) == old
+            and same_json(rec.sidecars[old.source_id], sidecar)
         )
 
     def _maybe_ready_locked(self, rec: VersionRecord) -> None:
@@ -504,6 +526,7 @@ class CatalogService:
     def _expire_source_locked(self, life: SourceLife) -> list[tuple[str, int]]:
         life.dead = True
         del self._sources[life.source_id]
+        self._layouts.pop(life.source_id, None)
         expired = []
         for model, version in sorted(life.versions):
             rec = self._models.get(model, {}).get(version)

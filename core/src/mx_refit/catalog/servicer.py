@@ -108,8 +108,15 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
         self, request: pb.GetVersionRequest, context: grpc.ServicerContext
     ) -> pb.GetVersionReply:
         version = request.version if request.HasField("version") else None
-        info = self.service.get_version(request.model, version, request.min_version)
-        return pb.GetVersionReply(version_info=convert.version_info_to_proto(info))
+        manifest = self.service.get_manifest(request.model, version, request.min_version)
+        reply = pb.GetVersionReply()
+        convert.manifest_to_proto(
+            manifest,
+            request.known_layout_digests,
+            request.known_sidecar_digest,
+            reply.version_info,  # filled in place: no copy of a large manifest
+        )
+        return reply
 
     @_rpc
     def ListVersions(

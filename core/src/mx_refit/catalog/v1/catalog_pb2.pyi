@@ -97,7 +97,7 @@ class TensorDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class SourceInfo(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
@@ -112,7 +114,9 @@ class SourceInfo(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorDescriptor]
     ready: bool
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ...) -> None: ...
+    layout_digest: str
+    tensors_omitted: bool
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "nbytes")
@@ -123,20 +127,24 @@ class MemoryRegion(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "state", "expected_sources", "sources", "sidecar_json")
+    __slots__ = ("model", "version", "state", "expected_sources", "sources", "sidecar_json", "sidecar_digest", "sidecar_omitted")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SOURCES_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_JSON_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_OMITTED_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     state: VersionState
     expected_sources: int
     sources: _containers.RepeatedCompositeFieldContainer[SourceInfo]
     sidecar_json: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ...) -> None: ...
+    sidecar_digest: str
+    sidecar_omitted: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ..., sidecar_digest: _Optional[str] = ..., sidecar_omitted: _Optional[bool] = ...) -> None: ...
 
 class VersionSummary(_message.Message):
     __slots__ = ("model", "version", "state", "expected_sources", "registered_sources", "ready_sources", "leases")
@@ -207,14 +215,25 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GetVersionRequest(_message.Message):
-    __slots__ = ("model", "version", "min_version")
+    __slots__ = ("model", "version", "min_version", "known_layout_digests", "known_sidecar_digest")
+    class KnownLayoutDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_LAYOUT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_SIDECAR_DIGEST_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     min_version: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+    known_layout_digests: _containers.ScalarMap[str, str]
+    known_sidecar_digest: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., min_version: _Optional[int] = ..., known_layout_digests: _Optional[_Mapping[str, str]] = ..., known_sidecar_digest: _Optional[str] = ...) -> None: ...
 
 class GetVersionReply(_message.Message):
     __slots__ = ("version_info",)

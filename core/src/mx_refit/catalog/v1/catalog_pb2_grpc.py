@@ -112,7 +112,7 @@ class CatalogServiceServicer:
 
     def GetVersion(self, request, context):
         """Returns one version's manifest: the newest READY one, or an exact version (which must be
-        READY).
+        READY). Parts the reader announces it already holds (by digest) are left out of the reply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
