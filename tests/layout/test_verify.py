@@ -6,7 +6,8 @@ The CI subset below is chosen so each source layout is built once and received b
 layouts (the expensive part is starting Megatron ranks). Together the cells cover: source TP
 {1,2,4}, PP 2, EP 2; target TP {1,2,4} (narrower, matched, wider), target EP 2; GQA with fewer KV
 heads than source and than target ranks; MHA; qkv bias; q/k norm; MoE; tied embeddings; a
-vocabulary not divisible by TP; the CLI contract (JSON on stdout, exit codes). The rest of the
+vocabulary not divisible by TP; a bf16 checkpoint (Float16Module-wrapped ranks); the CLI contract
+(JSON on stdout, exit codes). The rest of the
 matrix is marked ``slow`` (``pytest -m slow tests/layout/test_verify.py``).
 """
 
@@ -108,7 +109,8 @@ def test_cli_detects_a_misclassified_tensor(tiny_hf, bridge, tmp_path) -> None:
     # on the claimed shape) but the received o_proj is one rank's half, which verify must catch.
     overrides = tmp_path / "overrides.json"
     overrides.write_text(json.dumps([{"role": "replicated", "pattern": "*.self_attention.linear_proj.weight"}]))
-    proc = _cli(["--hf-dir", str(tiny_hf("llama_mha")), "--source-tp", "2", "--source-pp", "1",
+    # A bf16 checkpoint: the trainer ranks wrap the model in Float16Module ("module." prefixes).
+    proc = _cli(["--hf-dir", str(tiny_hf("llama_bf16")), "--source-tp", "2", "--source-pp", "1",
                  "--source-ep", "1", "--target-tp", "1", "--role-overrides", str(overrides), "--json"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -129,9 +131,14 @@ def test_slow_dense_tp_matrix(tiny_hf, bridge, kind: str, source_tp: int) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2"])  # qwen2: tied embeddings across stages
 def test_slow_pp2(tiny_hf, bridge, kind: str) -> None:
     verify(tiny_hf, kind, (2, 2, 1), SLOW_TARGETS)
+
+
+@pytest.mark.slow
+def test_slow_bf16_checkpoint(tiny_hf, bridge) -> None:
+    verify(tiny_hf, "llama_bf16", (2, 1, 1), [(1, 1), (4, 1)])
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ Everything heavy (torch, megatron) is imported inside the functions.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,27 @@ def apply_cpu_shims() -> None:
     # unconditionally; returning the CPU device keeps those tensors on the CPU.
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     _CPU_SHIMS_APPLIED = True
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity(active: bool) -> Iterator[None]:
+    """While building a model on a machine without CUDA, make ``Tensor.cuda()`` a no-op.
+
+    megatron-core moves the tied embedding to CUDA unconditionally before all-reducing it between
+    the first and last pipeline stages (``LanguageModule.setup_embeddings_and_output_layer``); on
+    CPU the tensor simply stays put and gloo reduces it.
+    """
+    if not active:
+        yield
+        return
+    import torch
+
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
 def init_distributed(
@@ -216,8 +239,8 @@ class BridgedModel:
     hf_config: Any  # transformers.PretrainedConfig
 
 
-# Settings that make the bridge's providers build a model that runs (and converts) on CPU.
-_CPU_PROVIDER_SETTINGS: dict[str, Any] = {
+# Settings that make the bridge's providers build a model that runs (and converts) without TE/apex.
+_PORTABLE_PROVIDER_SETTINGS: dict[str, Any] = {
     "bf16": False,
     "fp16": False,
     "gradient_accumulation_fusion": False,
@@ -280,20 +303,31 @@ def build_model_from_hf(
     if pad_vocab is None:
         pad_vocab = provider.vocab_size % tp != 0
     provider.should_pad_vocab = pad_vocab
-    settings: dict[str, Any] = {"params_dtype": dtype, "pipeline_dtype": dtype}
-    if device != "cuda":
-        settings.update(_CPU_PROVIDER_SETTINGS)
+    # Fusions off everywhere: they need apex/TE kernels, and this model is for publishing and
+    # verification, not for training speed (a trainer builds its own model).
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    settings: dict[str, Any] = {"params_dtype": dtype, "pipeline_dtype": dtype, **_PORTABLE_PROVIDER_SETTINGS}
+    if half is not None:
+        settings[half] = True
     for key, value in settings.items():
         if hasattr(provider, key):
             setattr(provider, key, value)
     provider.finalize()
-    model = provider.provide_distributed_model(
-        wrap_with_ddp=False,
-        use_cpu_initialization=device != "cuda",
-        mixed_precision_wrapper=None,
-        fp16=False,
-        bf16=dtype == torch.bfloat16,
-    )
+    wrapper = None
+    if half is not None:
+        # As Megatron trainers do: Float16Module casts every parameter (norms included, which the
+        # layers create in fp32) to the half dtype, and prefixes names with "module.".
+        from megatron.core.transformer.module import Float16Module
+
+        wrapper = Float16Module
+    with _tensor_cuda_is_identity(device != "cuda" and not torch.cuda.is_available()):
+        model = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            use_cpu_initialization=device != "cuda",
+            mixed_precision_wrapper=wrapper,
+            fp16=half == "fp16",
+            bf16=half == "bf16",
+        )
     return BridgedModel(bridge=bridge, model=list(model), hf_config=bridge.hf_pretrained.config)
 
 

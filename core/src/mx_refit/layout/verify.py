@@ -206,9 +206,9 @@ class _Phase:
                 if time.monotonic() > self.deadline:
                     raise TimeoutError(f"verify timed out after {self.timeout_s:.0f}s waiting for {kind!r} "
                                        f"({len(got)}/{count})") from None
-                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and self.results.empty():
-                    raise RuntimeError(f"{dead[0]} died (exit code {procs[0].exitcode}) without reporting")
+                    raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].exitcode}) without reporting")
                 continue
             if what == "error":
                 raise RuntimeError(f"{who} failed: {payload}")
