@@ -110,7 +110,7 @@ def test_single_rank_every_model(tiny_hf, bridge) -> None:
     results = run_cases(1, [Case(k, str(tiny_hf(k))) for k in kinds])
     for case, ranks in results.items():
         check_case(case, ranks)
-        # The plugin hook path (Publisher.publish(model=MegatronSource(...))) records the same.
+        # The built-in plugin's hook path (Publisher.publish(model=BridgedModel)) records the same.
         (out,) = ranks
         via = out["via_hooks"]
         assert via["state"] == "READY" and via["sidecar"] == out["sidecar"]
