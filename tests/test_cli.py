@@ -54,3 +54,19 @@ def test_serve_binds_loopback_and_enforces_the_token():
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert f"127.0.0.1:{port}" in output  # it says where it listens
+
+
+def test_verify_is_dispatched_with_its_public_arguments(tmp_path):
+    missing = tmp_path / "nope"
+    out = subprocess.run(
+        [sys.executable, "-m", "mx_refit.cli", "verify", "--hf-dir", str(missing), "--source-tp", "2",
+         "--target-tp", "1", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert f"--hf-dir {str(missing)!r} is not a directory" in out.stderr
+    help_text = subprocess.run(
+        [sys.executable, "-m", "mx_refit.cli", "verify", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    for flag in ("--hf-dir", "--source-tp", "--source-pp", "--source-ep", "--target-tp", "--target-ep", "--device", "--json"):
+        assert flag in help_text

@@ -24,11 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50551, help="port (default 50551; 0 picks one)")
     serve.add_argument("--token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
 
-    # verify owns its arguments (a stable public contract kept in mx_refit.layout.verify)
-    verify = sub.add_parser(
-        "verify", add_help=False, help="publish an HF checkpoint from Megatron ranks and verify receivers"
-    )
-    verify.add_argument("verify_args", nargs=argparse.REMAINDER)
+    # verify's arguments are a stable public contract kept next to it (imports nothing heavy)
+    from mx_refit.layout.verify import add_verify_arguments
+
+    verify = sub.add_parser("verify", help="publish an HF checkpoint from Megatron ranks and verify receivers")
+    add_verify_arguments(verify)
     return parser
 
 
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         serve_forever(args.host, args.port, token=args.token)
         return 0
     if args.command == "verify":
-        from mx_refit.layout.verify import verify_main
+        from mx_refit.layout.verify import verify_from_args
 
-        return verify_main(args.verify_args)
+        return verify_from_args(args)
     raise AssertionError(args.command)
 
 
