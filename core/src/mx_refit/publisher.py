@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,9 @@ class Publisher:
     :param catalog: Catalog address (``host:port``) or a :class:`CatalogClient`.
     :param expected_sources: How many ranks publish each version; it becomes READY when all have.
     :param ttl_s: Source TTL; a heartbeat renews it every ``ttl_s / 3`` seconds.
+    :param expected_readers: How many distinct readers (by ``reader_id``) read each version;
+        with it, :meth:`wait_read` replaces :meth:`wait_drained` for trainers that have no
+        central driver telling them when the readers are done. 0: not tracked.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Publisher:
         transport: "NixlTransport | None" = None,
         hooks: "Hooks | None" = None,
         ttl_s: float = 30.0,
+        expected_readers: int = 0,
     ) -> None:
         from mx_refit.catalog.client import CatalogClient
         from mx_refit.plugins import Hooks
@@ -86,6 +91,7 @@ class Publisher:
         self.client = catalog if isinstance(catalog, CatalogClient) else CatalogClient(catalog, token=token)
         self.hooks = hooks or Hooks()
         self.ttl_s = ttl_s
+        self.expected_readers = expected_readers
         self._owns_transport = transport is None
         if transport is None:
             from mx_refit.transport.nixl import NixlTransport
@@ -136,6 +142,7 @@ class Publisher:
             source=source,
             sidecar=merged_sidecar,
             ttl_s=self.ttl_s,
+            expected_readers=self.expected_readers,
         )
         state = self.client.mark_ready(model=self.model, version=version, source_id=self.source_id)
         self._heartbeat.start()
@@ -155,6 +162,23 @@ class Publisher:
             raise TimeoutError(
                 f"version {version} of {self.model!r} still has live reader leases after {timeout_s:.0f}s"
             )
+
+    def wait_read(self, version: int, timeout_s: float = 120.0) -> None:
+        """Wait until every expected reader completed a read of ``version``, then retire it and
+        wait for the last leases to end; afterwards its buffers may be mutated.
+
+        Race-free without a central driver: the catalog counts completed reads per version
+        (each ``reader_id`` once) from the moment it exists, and nothing is retired until they
+        are all in, so a reader that has not leased yet is never locked out. Needs
+        ``expected_readers`` > 0. ``timeout_s`` bounds the whole call.
+        """
+        deadline = time.monotonic() + timeout_s
+        progress = self.client.wait_read(model=self.model, version=version, timeout_s=timeout_s)
+        if not progress.done:
+            raise TimeoutError(
+                f"version {version} of {self.model!r}: {progress.describe()} after {timeout_s:g}s"
+            )
+        self.wait_drained(version, timeout_s=max(deadline - time.monotonic(), 0.0))
 
     def close(self) -> None:
         self._heartbeat.stop()

@@ -134,14 +134,17 @@ class Receiver:
             name=f"mx-refit-lease[{self.reader_id}]",
         )
         heartbeat.start()
+        pulled_all = False
         try:
             arena = self._arena_for(plan.arena_bytes)
             started = time.perf_counter()
             pulled = self._pull(info, plan, requests, arena)
             seconds = time.perf_counter() - started
+            pulled_all = True
         finally:
             heartbeat.stop()
-            self._release(lease_id)
+            # Every byte is in the arena: this reader is done with the publisher's buffers.
+            self._release(lease_id, completed=pulled_all)
 
         tensors = list(plan.materialize(arena))
         if self.engine is not None:
@@ -167,9 +170,9 @@ class Receiver:
         )
         return RefitResult(version=info, plan=plan, tensors=tensors, stats=stats)
 
-    def _release(self, lease_id: str) -> None:
+    def _release(self, lease_id: str, *, completed: bool) -> None:
         try:
-            self.client.release_lease(lease_id=lease_id)
+            self.client.release_lease(lease_id=lease_id, completed=completed)
         except NotFound:
             # The lease already expired; the publisher may already be mutating, which the size
             # check cannot see, so say so loudly.

@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mx_refit.catalog.api import DEFAULT_TTL_S, Catalog, VersionSummary
+    from mx_refit.catalog.api import DEFAULT_TTL_S, Catalog, ReadProgress, VersionSummary
     from mx_refit.catalog.client import CatalogClient
     from mx_refit.catalog.server import CatalogServer, serve_forever, start_embedded
     from mx_refit.catalog.service import CatalogService, ReapReport
@@ -28,6 +28,7 @@ __all__ = [
     "CatalogLimits",
     "CatalogServer",
     "CatalogService",
+    "ReadProgress",
     "ReapReport",
     "VersionSummary",
     "serve_forever",
@@ -37,6 +38,7 @@ __all__ = [
 _WHERE = {
     "DEFAULT_TTL_S": "api",
     "Catalog": "api",
+    "ReadProgress": "api",
     "VersionSummary": "api",
     "CatalogLimits": "validation",
     "CatalogService": "service",

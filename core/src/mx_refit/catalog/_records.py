@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from mx_refit.catalog.api import ReadProgress
 from mx_refit.catalog.digests import sidecar_digest
 from mx_refit.catalog.validation import json_text
 from mx_refit.errors import InvalidArgument
@@ -97,10 +98,19 @@ class VersionRecord:
     sidecar_digest: str = ""  # digest of ``sidecar_text`` (valid while that is not None)
     tensors: TensorIndex = field(default_factory=dict)
     leases: dict[str, LeaseRecord] = field(default_factory=dict)
+    expected_readers: int = 0  # 0: completed reads are not tracked
+    completed_readers: set[str] = field(default_factory=set)  # reader ids, each counted once
 
     @property
     def label(self) -> str:
         return f"model {self.model!r} version {self.version}"
+
+    def read_progress(self) -> ReadProgress:
+        return ReadProgress(
+            done=len(self.completed_readers) >= self.expected_readers,
+            expected_readers=self.expected_readers,
+            completed_readers=tuple(sorted(self.completed_readers)),
+        )
 
     def manifest(self) -> Manifest:
         """The manifest, sources ordered by mesh position (pp, ep, tp) then id."""

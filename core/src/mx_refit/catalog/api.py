@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "VersionSummary"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "ReadProgress", "VersionSummary"]
 
 # Default TTL of sources and leases; heartbeat at a third of it or more often.
 DEFAULT_TTL_S = 30.0
@@ -34,6 +34,25 @@ class VersionSummary:
     registered_sources: int
     ready_sources: int
     leases: int
+    expected_readers: int = 0  # 0: completed reads are not tracked
+    completed_reads: int = 0  # distinct readers that completed a read
+
+
+@dataclass(frozen=True)
+class ReadProgress:
+    """How far the expected readers of a version got (:meth:`Catalog.wait_read`)."""
+
+    done: bool
+    expected_readers: int
+    completed_readers: tuple[str, ...]  # sorted reader ids
+
+    def describe(self) -> str:
+        """``"1 of 2 expected readers completed (reader-a)"``, for error messages."""
+        who = ", ".join(self.completed_readers) or "none"
+        return (
+            f"{len(self.completed_readers)} of {self.expected_readers} expected readers "
+            f"completed ({who})"
+        )
 
 
 @runtime_checkable
@@ -55,6 +74,7 @@ class Catalog(Protocol):
         source: SourceInfo,
         sidecar: Mapping[str, Any] | None = None,
         ttl_s: float = DEFAULT_TTL_S,
+        expected_readers: int = 0,
     ) -> VersionState:
         """Register (or replace, while PENDING) one source; return the version's state."""
         ...
@@ -88,8 +108,8 @@ class Catalog(Protocol):
         """Lease a READY version; return the lease id."""
         ...
 
-    def release_lease(self, lease_id: str) -> None:
-        """Release a live lease."""
+    def release_lease(self, lease_id: str, completed: bool = False) -> None:
+        """Release a live lease; ``completed`` counts its reader as having read the version."""
         ...
 
     def retire_version(self, model: str, version: int) -> VersionState:
@@ -98,4 +118,8 @@ class Catalog(Protocol):
 
     def wait_drained(self, model: str, version: int, timeout_s: float) -> bool:
         """Wait until a retired version has no live lease; False on timeout."""
+        ...
+
+    def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:
+        """Wait until every expected reader completed a read of ``version`` (bounded)."""
         ...

@@ -27,7 +27,12 @@ import grpc
 from google.protobuf.message import Message
 
 from mx_refit.catalog import convert
-from mx_refit.catalog.api import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TTL_S, VersionSummary
+from mx_refit.catalog.api import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TTL_S,
+    ReadProgress,
+    VersionSummary,
+)
 from mx_refit.catalog.digests import (
     NOTHING_KNOWN,
     Known,
@@ -233,6 +238,7 @@ class CatalogClient:
         source: SourceInfo,
         sidecar: Mapping[str, Any] | None = None,
         ttl_s: float = DEFAULT_TTL_S,
+        expected_readers: int = 0,
     ) -> VersionState:
         """See :meth:`CatalogService.register_source`."""
         request = _request(
@@ -242,6 +248,7 @@ class CatalogClient:
             expected_sources=expected_sources,
             sidecar_json=convert.json_to_text(sidecar, "sidecar"),
             ttl_s=ttl_s,
+            expected_readers=expected_readers,
         )
         convert.source_to_proto(source, request.source)
         reply = self._call("RegisterSource", request)
@@ -292,6 +299,27 @@ class CatalogClient:
                 return True
             if deadline - time.monotonic() <= 0:
                 return False
+
+    def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:
+        """See :meth:`CatalogService.wait_read`; long waits go in slices, like
+        :meth:`wait_drained`."""
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not (math.isfinite(timeout_s) and timeout_s >= 0)
+        ):
+            # Let the catalog reject it, with the same InvalidArgument the service raises.
+            request = _request(pb.WaitReadRequest, model=model, version=version, timeout_s=timeout_s)
+            return _read_progress(self._call("WaitRead", request))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait = min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S)
+            request = _request(pb.WaitReadRequest, model=model, version=version, timeout_s=wait)
+            progress = _read_progress(
+                self._call("WaitRead", request, timeout_s=wait + self.timeout_s)
+            )
+            if progress.done or deadline - time.monotonic() <= 0:
+                return progress
 
     # --- reader side -----------------------------------------------------------------
 
@@ -375,10 +403,20 @@ class CatalogClient:
         )
         return str(self._call("AcquireLease", request).lease_id)
 
-    def release_lease(self, lease_id: str) -> None:
+    def release_lease(self, lease_id: str, completed: bool = False) -> None:
         """See :meth:`CatalogService.release_lease`."""
+        if not isinstance(completed, bool):  # protobuf would coerce 0/1 silently
+            raise InvalidArgument(f"completed: must be a bool, got {completed!r}")
         self._call(
             "ReleaseLease",
-            _request(pb.ReleaseLeaseRequest, lease_id=lease_id),
+            _request(pb.ReleaseLeaseRequest, lease_id=lease_id, completed=completed),
             not_found_after_retry_is_success=True,
         )
+
+
+def _read_progress(reply: pb.WaitReadReply) -> ReadProgress:
+    return ReadProgress(
+        done=reply.done,
+        expected_readers=reply.expected_readers,
+        completed_readers=tuple(reply.completed_readers),
+    )

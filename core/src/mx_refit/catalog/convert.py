@@ -356,6 +356,8 @@ def summary_to_proto(summary: VersionSummary) -> pb.VersionSummary:
         registered_sources=summary.registered_sources,
         ready_sources=summary.ready_sources,
         leases=summary.leases,
+        expected_readers=summary.expected_readers,
+        completed_reads=summary.completed_reads,
     )
 
 
@@ -369,4 +371,6 @@ def summary_from_proto(msg: pb.VersionSummary) -> VersionSummary:
         registered_sources=msg.registered_sources,
         ready_sources=msg.ready_sources,
         leases=msg.leases,
+        expected_readers=msg.expected_readers,
+        completed_reads=msg.completed_reads,
     )

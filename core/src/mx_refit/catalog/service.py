@@ -8,6 +8,10 @@ lifecycle state and the live reader leases::
     PENDING/READY --retire_version--> DRAINING --(no live lease)--> RETIRED
     PENDING/READY/DRAINING --(a source missed its heartbeats)--> EXPIRED
 
+With ``expected_readers`` > 0 a version counts the distinct readers that released a lease with
+``completed=True``; :meth:`CatalogService.wait_read` waits for them without retiring it, so a
+trainer with no central driver waits first and retires second (never locking a reader out).
+
 Every public method validates its whole request before it mutates anything, so a rejected call
 leaves the catalog exactly as it was. TTLs use the injectable ``clock`` (seconds, monotonic);
 expirations are applied lazily at the start of every call (from a deadline heap, so the cost is
@@ -45,7 +49,7 @@ from mx_refit.catalog._records import (
     check_tensors_agree,
     index_tensors,
 )
-from mx_refit.catalog.api import DEFAULT_TTL_S, VersionSummary
+from mx_refit.catalog.api import DEFAULT_TTL_S, ReadProgress, VersionSummary
 from mx_refit.catalog.digests import Layout, stamp_layout
 from mx_refit.catalog.validation import (
     CatalogLimits,
@@ -118,6 +122,7 @@ class CatalogService:
         source: SourceInfo,
         sidecar: Mapping[str, Any] | None = None,
         ttl_s: float = DEFAULT_TTL_S,
+        expected_readers: int = 0,
     ) -> VersionState:
         """Register one source of ``(model, version)``; return the version's state afterwards.
 
@@ -126,7 +131,9 @@ class CatalogService:
         registration is a no-op until the version is RETIRED or EXPIRED (safe to retry). A
         source sent with ``ready=True`` is registered and marked ready in one step. ``ttl_s``
         is how long the source stays alive without a heartbeat; when it lapses, every version
-        it belongs to that is not yet RETIRED becomes EXPIRED.
+        it belongs to that is not yet RETIRED becomes EXPIRED. ``expected_readers`` (0: not
+        tracked) is how many distinct readers :meth:`wait_read` waits for; like
+        ``expected_sources`` it must agree across the version's registrations.
         """
         model = check_name(model, "model")
         version = check_int(version, "version", minimum=0)
@@ -135,6 +142,12 @@ class CatalogService:
             raise InvalidArgument(
                 f"expected_sources: {expected} exceeds the limit of "
                 f"{self.limits.max_expected_sources}"
+            )
+        readers = check_int(expected_readers, "expected_readers", minimum=0)
+        if readers > self.limits.max_expected_readers:
+            raise InvalidArgument(
+                f"expected_readers: {readers} exceeds the limit of "
+                f"{self.limits.max_expected_readers}"
             )
         ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
         # Pure validation happens outside the lock: a 1M-descriptor manifest must not stall
@@ -149,13 +162,18 @@ class CatalogService:
             now = self._reap_locked(self._clock())
             rec = self._models.get(model, {}).get(version)
             if rec is None:
-                rec = VersionRecord(model, version, expected)
+                rec = VersionRecord(model, version, expected, expected_readers=readers)
                 is_new = True
             else:
                 is_new = False
                 if rec.expected_sources != expected:
                     raise InvalidArgument(
                         f"expected_sources: {expected} does not match {rec.expected_sources} "
+                        f"registered earlier for {rec.label}"
+                    )
+                if rec.expected_readers != readers:
+                    raise InvalidArgument(
+                        f"expected_readers: {readers} does not match {rec.expected_readers} "
                         f"registered earlier for {rec.label}"
                     )
             old = rec.sources.get(sid)
@@ -382,6 +400,8 @@ class CatalogService:
                     registered_sources=len(rec.sources),
                     ready_sources=sum(s.ready for s in rec.sources.values()),
                     leases=len(rec.leases),
+                    expected_readers=rec.expected_readers,
+                    completed_reads=len(rec.completed_readers),
                 )
                 for _, rec in sorted(self._models.get(model, {}).items())
             ]
@@ -434,15 +454,54 @@ class CatalogService:
             self._deadlines.set(lease, lease.expires_at, new=True)
             return lease.lease_id
 
-    def release_lease(self, lease_id: str) -> None:
-        """Release a live lease (``NotFound`` if it is unknown or already expired)."""
+    def release_lease(self, lease_id: str, completed: bool = False) -> None:
+        """Release a live lease (``NotFound`` if it is unknown or already expired).
+
+        ``completed=True``: the reader pulled every byte it needed, so its reader id counts as a
+        completed read of the version (once). An expired lease counts nothing.
+        """
         lease_id = check_name(lease_id, "lease_id")
+        if not isinstance(completed, bool):
+            raise InvalidArgument(f"completed: must be a bool, got {completed!r}")
         with self._cond:
             self._reap_locked(self._clock())
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise NotFound(f"lease_id: unknown or expired lease {lease_id!r}")
-            self._drop_lease_locked(lease)
+            if completed and lease.record is not None:
+                lease.record.completed_readers.add(lease.reader_id)
+            self._drop_lease_locked(lease)  # notifies wait_read and wait_drained waiters
+
+    def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:
+        """Block (bounded, real time) until every expected reader completed a read of
+        ``version``; the progress says whether they did. Never retires the version.
+
+        ``FailedPrecondition`` when the version has no expected readers, or expired before
+        they all completed (nobody can lease it any more).
+        """
+        timeout = check_seconds(
+            timeout_s, "timeout_s", maximum=self.limits.max_wait_s, allow_zero=True
+        )
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._reap_locked(self._clock())
+            rec = self._record_locked(model, version)
+            if rec.expected_readers == 0:
+                raise FailedPrecondition(
+                    f"{rec.label} was registered without expected_readers; reads are not counted"
+                )
+            while not (progress := rec.read_progress()).done:
+                if rec.state is VersionState.EXPIRED and not rec.leases:
+                    raise FailedPrecondition(
+                        f"{rec.label} is EXPIRED with {progress.describe()}; the rest can "
+                        "never read it"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)  # releases, expiries and the reaper notify
+                self._reap_locked(self._clock())
+            return progress
 
     # --- maintenance ----------------------------------------------------------------------
 

@@ -86,6 +86,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             convert.source_from_proto(request.source),
             convert.json_from_text(request.sidecar_json, "sidecar"),
             request.ttl_s,
+            request.expected_readers,
         )
         return pb.RegisterSourceReply(state=convert.state_to_proto(state))
 
@@ -142,7 +143,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
     def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseReply:
-        self.service.release_lease(request.lease_id)
+        self.service.release_lease(request.lease_id, request.completed)
         return pb.ReleaseLeaseReply()
 
     @_rpc
@@ -166,3 +167,24 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
                 return pb.WaitDrainedReply(drained=True)
             if time.monotonic() >= deadline or self._stopping.is_set() or not context.is_active():
                 return pb.WaitDrainedReply(drained=False)
+
+    @_rpc
+    def WaitRead(self, request: pb.WaitReadRequest, context: grpc.ServicerContext) -> pb.WaitReadReply:
+        timeout = min(request.timeout_s, self._max_wait_slice_s)
+        if not timeout >= 0:  # NaN or negative: let the service reject it with its message
+            self.service.wait_read(request.model, request.version, request.timeout_s)
+        deadline = time.monotonic() + timeout
+        while True:  # in steps, like WaitDrained
+            step = min(max(deadline - time.monotonic(), 0.0), _WAIT_STEP_S)
+            progress = self.service.wait_read(request.model, request.version, step)
+            if (
+                progress.done
+                or time.monotonic() >= deadline
+                or self._stopping.is_set()
+                or not context.is_active()
+            ):
+                return pb.WaitReadReply(
+                    done=progress.done,
+                    expected_readers=progress.expected_readers,
+                    completed_readers=progress.completed_readers,
+                )

@@ -50,6 +50,7 @@ class CatalogLimits:
     max_descriptors_per_source: int = 1_000_000
     max_sidecar_bytes: int = 64 * MiB  # of the sidecar's JSON encoding (UTF-8)
     max_expected_sources: int = 1 << 20
+    max_expected_readers: int = 1 << 20
     max_ttl_s: float = 24 * 3600.0
     max_wait_s: float = 3600.0  # longest single wait_drained call
 

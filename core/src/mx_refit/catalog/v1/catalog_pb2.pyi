@@ -147,7 +147,7 @@ class VersionInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ..., sidecar_digest: _Optional[str] = ..., sidecar_omitted: _Optional[bool] = ...) -> None: ...
 
 class VersionSummary(_message.Message):
-    __slots__ = ("model", "version", "state", "expected_sources", "registered_sources", "ready_sources", "leases")
+    __slots__ = ("model", "version", "state", "expected_sources", "registered_sources", "ready_sources", "leases", "expected_readers", "completed_reads")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class VersionSummary(_message.Message):
     REGISTERED_SOURCES_FIELD_NUMBER: _ClassVar[int]
     READY_SOURCES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_READERS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_READS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     state: VersionState
@@ -162,23 +164,27 @@ class VersionSummary(_message.Message):
     registered_sources: int
     ready_sources: int
     leases: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., registered_sources: _Optional[int] = ..., ready_sources: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+    expected_readers: int
+    completed_reads: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., registered_sources: _Optional[int] = ..., ready_sources: _Optional[int] = ..., leases: _Optional[int] = ..., expected_readers: _Optional[int] = ..., completed_reads: _Optional[int] = ...) -> None: ...
 
 class RegisterSourceRequest(_message.Message):
-    __slots__ = ("model", "version", "expected_sources", "source", "sidecar_json", "ttl_s")
+    __slots__ = ("model", "version", "expected_sources", "source", "sidecar_json", "ttl_s", "expected_readers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SOURCES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_JSON_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_READERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     expected_sources: int
     source: SourceInfo
     sidecar_json: str
     ttl_s: float
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., expected_sources: _Optional[int] = ..., source: _Optional[_Union[SourceInfo, _Mapping]] = ..., sidecar_json: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    expected_readers: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., expected_sources: _Optional[int] = ..., source: _Optional[_Union[SourceInfo, _Mapping]] = ..., sidecar_json: _Optional[str] = ..., ttl_s: _Optional[float] = ..., expected_readers: _Optional[int] = ...) -> None: ...
 
 class RegisterSourceReply(_message.Message):
     __slots__ = ("state",)
@@ -274,10 +280,12 @@ class AcquireLeaseReply(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "completed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    completed: bool
+    def __init__(self, lease_id: _Optional[str] = ..., completed: _Optional[bool] = ...) -> None: ...
 
 class ReleaseLeaseReply(_message.Message):
     __slots__ = ()
@@ -312,3 +320,23 @@ class WaitDrainedReply(_message.Message):
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     drained: bool
     def __init__(self, drained: _Optional[bool] = ...) -> None: ...
+
+class WaitReadRequest(_message.Message):
+    __slots__ = ("model", "version", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitReadReply(_message.Message):
+    __slots__ = ("done", "expected_readers", "completed_readers")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_READERS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_READERS_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    expected_readers: int
+    completed_readers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, done: _Optional[bool] = ..., expected_readers: _Optional[int] = ..., completed_readers: _Optional[_Iterable[str]] = ...) -> None: ...

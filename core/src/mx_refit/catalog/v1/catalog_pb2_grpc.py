@@ -80,6 +80,11 @@ class CatalogServiceStub:
                 request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitDrainedRequest.SerializeToString,
                 response_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitDrainedReply.FromString,
                 _registered_method=True)
+        self.WaitRead = channel.unary_unary(
+                '/mx_refit.catalog.v1.CatalogService/WaitRead',
+                request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadRequest.SerializeToString,
+                response_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadReply.FromString,
+                _registered_method=True)
 
 
 class CatalogServiceServicer:
@@ -155,6 +160,17 @@ class CatalogServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitRead(self, request, context):
+        """Waits (bounded) until every expected reader of a version has completed a read of it (a
+        lease released with completed=true), counting each reader_id once. Needs a version
+        registered with expected_readers > 0. Does not retire the version: readers that have not
+        leased yet are never locked out, so a publisher without a central driver can wait for its
+        readers first and retire second.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CatalogServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +218,11 @@ def add_CatalogServiceServicer_to_server(servicer, server):
                     servicer.WaitDrained,
                     request_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitDrainedRequest.FromString,
                     response_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitDrainedReply.SerializeToString,
+            ),
+            'WaitRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitRead,
+                    request_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadRequest.FromString,
+                    response_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +469,33 @@ class CatalogService:
             '/mx_refit.catalog.v1.CatalogService/WaitDrained',
             mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitDrainedRequest.SerializeToString,
             mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitDrainedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mx_refit.catalog.v1.CatalogService/WaitRead',
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadRequest.SerializeToString,
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadReply.FromString,
             options,
             channel_credentials,
             insecure,
