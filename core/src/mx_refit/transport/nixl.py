@@ -24,6 +24,14 @@ Checked on 2xH200 with this module (torch 2.11, VRAM GPU1 -> GPU0): 1 GiB READ 2
 dim-1 half of a [8192, 8192] bf16 tensor took 66 ms per-row (8,192 descriptors) and 0.72 ms as a
 hull plus local copy. On the CPU CI box (UCX cma + tcp, 2 shared cores) reads run at 1-5 GB/s.
 
+Idle cost: NIXL's Python wrapper (1.5.1) starts UCX's progress thread with ``pthrDelay=0``, so
+its ``poll()`` on the workers' event fds never blocks and an idle agent burns 65-100% of a core.
+:func:`_create_agent` gives the thread a wake-up period instead (``progress_wake_ms``): it then
+sleeps in ``poll()`` until UCX signals an event (a peer's READ arriving over tcp, a wire-up) or
+the period passes, costing well under 1% of a core idle with unchanged pull figures
+(``benchmarks/bench_idle.py``). The thread is still needed: without it a passive source whose
+peer reads over a two-sided transport (tcp) never answers.
+
 Thread safety: the agent is created with NIXL's no-sync mode (no listen thread), so every agent
 call here is serialised by one lock; polling releases it between checks.
 """
@@ -55,6 +63,10 @@ _PERMANENT_ERRORS = {
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.001  # caps completion-detection lag at 1 ms (0.3% of an 8 GiB NVLink pull)
 _BACKOFF_MAX_S = 1.0
+# UCX progress thread wake-up period. Events wake it at once; the period only bounds the delay
+# after an event that poll() missed (NIXL works around such a UCX bug the same way).
+DEFAULT_PROGRESS_WAKE_MS = 20.0
+_AGENT_INIT_LOCK = threading.Lock()
 
 
 def _load_nixl() -> tuple[Any, Any]:
@@ -68,6 +80,41 @@ def _load_nixl() -> tuple[Any, Any]:
         except ImportError:
             from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
     return nixl_agent, nixl_agent_config
+
+
+def _create_agent(name: str, backends: Sequence[str], progress_wake_ms: float | None) -> Any:
+    """A NIXL agent without the listen thread, its UCX progress thread waking every
+    ``progress_wake_ms`` (``0``: NIXL's default busy poll; ``None``: no progress thread).
+
+    The wrapper exposes no delay option and sets ``pthrDelay = 0`` on the config it builds, so the
+    delay is set on that config as it reaches the bindings' ``nixlAgent`` constructor, for the
+    duration of this one construction (serialised by a lock)."""
+    nixl_agent, nixl_agent_config = _load_nixl()
+    config = nixl_agent_config(
+        enable_prog_thread=progress_wake_ms is not None, enable_listen_thread=False, backends=list(backends)
+    )
+    if not progress_wake_ms:
+        return nixl_agent(name, config)
+    import sys
+
+    bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    construct = getattr(bindings, "nixlAgent", None)
+    if construct is None:  # a wrapper laid out differently: keep its default, say so
+        log.warning("NIXL wrapper %s has no nixlBind.nixlAgent; progress thread left busy-polling",
+                    nixl_agent.__module__)
+        return nixl_agent(name, config)
+    delay_us = max(1, int(progress_wake_ms * 1000))
+
+    def with_wake_period(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = delay_us
+        return construct(agent_name, agent_config)
+
+    with _AGENT_INIT_LOCK:
+        bindings.nixlAgent = with_wake_period
+        try:
+            return nixl_agent(name, config)
+        finally:
+            bindings.nixlAgent = construct
 
 
 def _as_str(name: str | bytes) -> str:
@@ -149,6 +196,10 @@ class NixlTransport:
         max_retries: retries per peer after the first attempt (ERR, timeout, transient errors).
         timeout_s: default per-attempt timeout of a READ.
         retry_backoff_s: first retry delay; doubles per retry (capped at 1 s).
+        progress_wake_ms: wake-up period of the UCX progress thread, which otherwise sleeps until
+            UCX signals an event. ``0`` is NIXL's busy poll (a core per process); ``None`` runs
+            no progress thread (only this process's own calls progress it: a source then cannot
+            serve peers that read over tcp).
     """
 
     def __init__(
@@ -159,6 +210,7 @@ class NixlTransport:
         max_retries: int = 3,
         timeout_s: float = 60.0,
         retry_backoff_s: float = 0.05,
+        progress_wake_ms: float | None = DEFAULT_PROGRESS_WAKE_MS,
     ) -> None:
         if not name:
             raise InvalidArgument("name: must be a non-empty agent name")
@@ -166,10 +218,10 @@ class NixlTransport:
             raise InvalidArgument(f"max_retries: {max_retries} must be >= 0")
         if timeout_s <= 0:
             raise InvalidArgument(f"timeout_s: {timeout_s} must be > 0")
-        nixl_agent, nixl_agent_config = _load_nixl()
+        if progress_wake_ms is not None and progress_wake_ms < 0:
+            raise InvalidArgument(f"progress_wake_ms: {progress_wake_ms} must be >= 0 (or None)")
         # Listen thread off: metadata is exchanged through the catalog, never over NIXL's socket.
-        config = nixl_agent_config(enable_listen_thread=False, backends=list(backends))
-        self._agent: Any = nixl_agent(name, config)
+        self._agent: Any = _create_agent(name, backends, progress_wake_ms)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise TransferError(f"agent {name}: NIXL backends {missing} are not available")
