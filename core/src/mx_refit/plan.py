@@ -7,9 +7,9 @@ the Megatron layout engine in :mod:`mx_refit.layout`) and the :class:`~mx_refit.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mx_refit.errors import CoverageError, InvalidArgument
 from mx_refit.types import DTYPE_SIZES, ReadOp, Role, TensorDescriptor, VersionInfo
@@ -17,7 +17,7 @@ from mx_refit.types import DTYPE_SIZES, ReadOp, Role, TensorDescriptor, VersionI
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["FullTensorPlan", "ReceivePlan", "plan_full_tensors"]
+__all__ = ["FullTensorPlan", "ReceivePlan", "ViewMemo", "plan_full_tensors"]
 
 # Roles whose shards are plain slices of the published tensor; anything else needs a layout
 # engine to become HF tensors.
@@ -42,6 +42,45 @@ class ReceivePlan(Protocol):
     def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]: ...
 
 
+class ViewMemo:
+    """A plan's materialised views of one arena, kept for the next cycle.
+
+    The receiver reuses its arena and its cached plan every cycle, so the views (thousands of
+    tensors: ~5 us of torch calls each) are built once; later cycles only redo the local copies
+    of staged blocks (``restage``) and hand out the same view objects. Keyed by the arena's
+    storage, offset, size and device: another arena gets new views. The views keep the arena's
+    storage alive, so a new allocation can never reuse a remembered address.
+    """
+
+    __slots__ = ("key", "restage", "views")
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.views: list[tuple[str, torch.Tensor]] = []
+        self.restage: list[Callable[[], Any]] = []
+
+    @staticmethod
+    def arena_key(arena: "torch.Tensor") -> tuple[Any, ...]:
+        return (arena.device, arena.dtype, arena.untyped_storage().data_ptr(), arena.storage_offset(),
+                tuple(arena.shape))
+
+    def recall(self, arena: "torch.Tensor") -> "list[tuple[str, torch.Tensor]] | None":
+        """The remembered views of ``arena`` with their staged blocks placed again, or None."""
+        if self.key is None or self.key != self.arena_key(arena):
+            return None
+        for place in self.restage:
+            place()
+        return self.views
+
+    def keep(
+        self,
+        arena: "torch.Tensor",
+        views: "list[tuple[str, torch.Tensor]]",
+        restage: list[Callable[[], Any]],
+    ) -> None:
+        self.key, self.views, self.restage = self.arena_key(arena), views, restage
+
+
 @dataclass
 class _Placement:
     """One output tensor: a region of the arena, plus staged shards to copy in (dim > 0 splits)."""
@@ -63,14 +102,25 @@ class FullTensorPlan:
     bytes_needed: int
     bytes_by_role: dict[str, tuple[int, int]]
     placements: list[_Placement]
+    _memo: ViewMemo = field(default_factory=ViewMemo, repr=False, compare=False)
 
     @property
     def tensors(self) -> int:
         return len(self.placements)
 
     def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Views of ``arena``, staged shards copied into place. Calling it again on the same
+        arena redoes the copies and yields the same view objects (see :class:`ViewMemo`)."""
+        remembered = self._memo.recall(arena)
+        if remembered is None:
+            remembered = self._build_views(arena)
+        yield from remembered
+
+    def _build_views(self, arena: "torch.Tensor") -> "list[tuple[str, torch.Tensor]]":
         import torch
 
+        views: list[tuple[str, torch.Tensor]] = []
+        restage: list[Callable[[], Any]] = []
         for p in self.placements:
             dtype = getattr(torch, p.dtype)
             nbytes = math.prod(p.shape) * DTYPE_SIZES[p.dtype]
@@ -78,8 +128,12 @@ class FullTensorPlan:
             for axis, start, local_shape, staging in p.staged:
                 n = math.prod(local_shape) * DTYPE_SIZES[p.dtype]
                 shard = arena[staging : staging + n].view(dtype).view(local_shape)
-                out.narrow(axis, start, local_shape[axis]).copy_(shard)
-            yield p.name, out
+                place = out.narrow(axis, start, local_shape[axis]).copy_
+                place(shard)
+                restage.append(lambda place=place, shard=shard: place(shard))
+            views.append((p.name, out))
+        self._memo.keep(arena, views, restage)
+        return views
 
 
 def _align(n: int, to: int = 256) -> int:
