@@ -305,7 +305,7 @@ def rank_shards(shape: ModelShape, layout: TrainerLayout, rank: int) -> list[Sha
 
 def sidecar(shape: ModelShape, layout: TrainerLayout, shards: Iterable[Shard]) -> dict[str, Any]:
     """This rank's sidecar (``megatron.config`` + its part of ``megatron.hf_map``), as
-    :func:`mx_refit.layout.sidecar.build_sidecar` writes it."""
+    :func:`mx_refit.megatron.sidecar.build_sidecar` writes it."""
     config = {
         "num_layers": shape.layers,
         "hidden_size": shape.hidden,

@@ -89,10 +89,10 @@ def test_autoloaded_broken_plugin_is_skipped_with_a_warning(installed):
 def test_block_list_wins_for_entry_points_and_builtins(installed, monkeypatch):
     installed(("good", "tests.plugin_samples.good"))
     monkeypatch.setenv("MX_REFIT_PLUGINS", "good")
-    monkeypatch.setenv("MX_REFIT_DISABLE_PLUGINS", "good,mx_refit.layout.plugin")
+    monkeypatch.setenv("MX_REFIT_DISABLE_PLUGINS", "good,mx_refit.megatron.plugin")
     pm = Hooks().pm
     assert pm.get_plugin("good") is None and pm.is_blocked("good")
-    assert pm.get_plugin("mx_refit.layout.plugin") is None
+    assert pm.get_plugin("mx_refit.megatron.plugin") is None
     assert pm.get_plugin("mx_refit.builtin") is not None
 
 

@@ -34,7 +34,7 @@ def bridge_param_mapping() -> Any | None:
     global _PM
     if _PM is None:
         try:
-            from mx_refit.layout._bridge_import import import_bridge
+            from mx_refit.megatron._bridge_import import import_bridge
 
             import_bridge()
             import megatron.bridge.models.conversion.param_mapping as pm
@@ -148,7 +148,7 @@ def _merge_qkv(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             hidden_size=spec.hidden,
         )
         return (pm.merge_qkv_biases if q.ndim == 1 else pm.merge_qkv_weights)(cfg, q, k, v)
-    from mx_refit.layout.translate import merge_qkv
+    from tests.layout.reference_math import merge_qkv
 
     return merge_qkv(q, k, v, spec.heads, spec.groups, spec.head_dim)
 

@@ -37,7 +37,7 @@ def tiny_hf(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def bridge():
     """The ``megatron.bridge`` module (imported with the TE stub); skips when not installed."""
-    from mx_refit.layout._bridge_import import bridge_import_error, import_bridge
+    from mx_refit.megatron._bridge_import import bridge_import_error, import_bridge
 
     try:
         return import_bridge()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from mx_refit.layout.megatron import launch_ranks
+from mx_refit.verify.harness import launch_ranks
 from tests.fixtures.megatron_jobs import Case, classify_job
 from tests.fixtures.reference_hf import assemble_global, megatron_to_hf
 

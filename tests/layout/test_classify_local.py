@@ -4,7 +4,7 @@ the real Float16Module wrapper twice (``module.module.`` prefixes); config overr
 
 from __future__ import annotations
 
-from mx_refit.layout.megatron import launch_ranks
+from mx_refit.verify.harness import launch_ranks
 from tests.fixtures.megatron_jobs import local_spec_job
 from tests.layout.test_classify_bridge import expected_role
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from mx_refit.layout.classify import (
+from mx_refit.megatron.classify import (
     BridgeKind,
     ClassificationError,
     RoleOverrides,
     classify_model,
     strip_wrapper_prefix,
 )
-from mx_refit.layout.megatron import ParallelContext
+from mx_refit.megatron.parallel import ParallelContext
 from mx_refit.types import Role
 
 
@@ -263,7 +263,8 @@ def test_overrides_from_plugins_through_the_core_hook(mx_hooks) -> None:
             register(role="column", module_class="TERowParallelLinear")
 
     mx_hooks.register(Plugin())
-    overrides = RoleOverrides.from_plugins(mx_hooks, config=[{"role": "row", "pattern": "*.linear_fc2.weight"}])
+    mx_hooks.configure({"role_overrides": [{"role": "row", "pattern": "*.linear_fc2.weight"}]})
+    overrides = mx_hooks.role_overrides()  # plugin rules, then the config's
     items = by_name(classify_model(te_style_model(), overrides=overrides, ctx=CTX))
     assert items["decoder.layers.2.self_attention.linear_proj.weight"].role is Role.REPLICATED
     assert items["decoder.layers.2.self_attention.linear_proj.bias"].role is Role.COLUMN

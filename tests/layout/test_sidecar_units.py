@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mx_refit.layout.sidecar import hf_names_of
+from mx_refit.megatron.sidecar import hf_names_of
 
 
 def test_hf_names_follow_the_schema_order_whatever_the_declaration(bridge) -> None:

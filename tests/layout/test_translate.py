@@ -18,11 +18,12 @@ from mx_refit.layout.bands import (
     subtract,
     vocab_window,
 )
-from mx_refit.layout.translate import (
+from mx_refit.layout.receive_plan import place_column_blocks
+
+from tests.layout.reference_math import (
     gather_row_parallel,
     merge_gated,
     merge_qkv,
-    place_column_blocks,
     scatter_rows,
     split_gated,
     split_qkv,

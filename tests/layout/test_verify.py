@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from mx_refit.layout.verify import VerifyRun, run_verify
-from mx_refit.layout.verify_expect import checkpoint_index
+from mx_refit.verify.tool import VerifyRun, run_verify
+from mx_refit.verify.expect import checkpoint_index
 from mx_refit.types import DTYPE_SIZES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_qwen3_qk_norm_source_pp2_to_target_tp4(tiny_hf, bridge) -> None:
 
 def _cli(args: list[str], timeout: float = 540) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "core" / "src"), str(REPO)]))
-    return subprocess.run([sys.executable, "-m", "mx_refit.layout.verify", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mx_refit.verify", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from mx_refit.transport.ranges import (
+from mx_refit.ranges import (
     RegionIndex,
     RowSlicePlan,
     check_local_disjoint,

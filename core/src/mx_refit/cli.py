@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
 
     # verify's arguments are a stable public contract kept next to it (imports nothing heavy)
-    from mx_refit.layout.verify import add_verify_arguments
+    from mx_refit.verify.tool import add_verify_arguments
 
     verify = sub.add_parser("verify", help="publish an HF checkpoint from Megatron ranks and verify receivers")
     add_verify_arguments(verify)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_forever(args.host, args.port, token=args.token)
         return 0
     if args.command == "verify":
-        from mx_refit.layout.verify import verify_from_args
+        from mx_refit.verify.tool import verify_from_args
 
         return verify_from_args(args)
     raise AssertionError(args.command)

@@ -235,7 +235,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 def megatron_demo(args: argparse.Namespace, log) -> int:
     """A real Megatron refit: Bridge-built Megatron-Core ranks -> catalog/NIXL -> receivers at
     several TP sizes, every HF tensor compared with the checkpoint's own bytes."""
-    from mx_refit.layout.verify import VerifyRun, run_verify
+    from mx_refit.verify.tool import VerifyRun, run_verify
 
     run = VerifyRun(
         hf_dir=args.model, source_tp=args.source_tp, source_ep=args.source_ep,

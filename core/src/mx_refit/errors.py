@@ -7,6 +7,7 @@ back, so callers see the same exceptions whether the catalog is embedded or remo
 from __future__ import annotations
 
 __all__ = [
+    "ClassificationError",
     "CoverageError",
     "FailedPrecondition",
     "InvalidArgument",
@@ -48,6 +49,11 @@ class TransferError(MxRefitError):
     def __init__(self, message: str, *, source_id: str | None = None) -> None:
         super().__init__(message)
         self.source_id = source_id
+
+
+class ClassificationError(MxRefitError, ValueError):
+    """A parameter cannot be classified (or published in place), or a role override is
+    malformed; the message names it."""
 
 
 class CoverageError(MxRefitError):

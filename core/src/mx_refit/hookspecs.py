@@ -17,7 +17,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover - types only
     import torch
 
-    from mx_refit.layout.classify import RoleOverrides
+    from mx_refit.overrides import RoleOverrides
     from mx_refit.plan import ReceivePlan
     from mx_refit.types import (
         MeshPosition,

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from mx_refit.hookspecs import RegisterRoleOverride
-    from mx_refit.layout.classify import RoleOverrides
+    from mx_refit.overrides import RoleOverrides
     from mx_refit.plan import ReceivePlan
     from mx_refit.types import MeshPosition, PublishedTensor, RefitStats, TargetLayout, VersionInfo
 
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = PROJECT_NAME
 # Built-in behaviour is itself plugins, registered before third-party ones (pytest's idiom).
-BUILTIN_PLUGINS: tuple[str, ...] = ("mx_refit.builtin", "mx_refit.layout.plugin")
+BUILTIN_PLUGINS: tuple[str, ...] = ("mx_refit.builtin", "mx_refit.megatron.plugin")
 
 ALLOW_ENV = "MX_REFIT_PLUGINS"
 BLOCK_ENV = "MX_REFIT_DISABLE_PLUGINS"
@@ -148,7 +148,7 @@ class Hooks:
         """Overrides from plugins, then from the ``role_overrides`` setting (config wins);
         built once per configuration."""
         if self._overrides is None:
-            from mx_refit.layout.classify import RoleOverrides
+            from mx_refit.overrides import RoleOverrides
 
             registry = RoleOverrides()
             self.register_role_overrides(registry.register)

@@ -195,7 +195,7 @@ class Receiver:
         Trainers republish the same buffers every step, so from the second cycle on the layout
         (sources, descriptors, sidecar) is unchanged and neither planning nor coalescing is redone.
         """
-        from mx_refit.transport.ranges import coalesce, split_at
+        from mx_refit.ranges import coalesce, split_at
 
         key = _layout_key(info, self.target)
         if self._cached_plan is not None and self._cached_plan[0] == key:

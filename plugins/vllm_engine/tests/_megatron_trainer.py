@@ -29,13 +29,9 @@ def main() -> None:
     host, port = args.listen.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
     try:
-        from mx_refit.layout.collect import collect_for_publish
-        from mx_refit.layout.megatron import (
-            build_model_from_hf,
-            init_distributed,
-            init_model_parallel,
-            mesh_position,
-        )
+        from mx_refit.megatron.collect import collect_for_publish
+        from mx_refit.megatron.parallel import mesh_position
+        from mx_refit.verify.harness import build_model_from_hf, init_distributed, init_model_parallel
         from mx_refit.publisher import Publisher
 
         init_distributed(args.rank, args.world, master_port=args.dist_port)
@@ -51,7 +47,7 @@ def main() -> None:
     while True:
         cmd, arg = conn.recv()
         if cmd == "stop":
-            from mx_refit.layout.megatron import destroy_distributed
+            from mx_refit.verify.harness import destroy_distributed
 
             publisher.close()
             destroy_distributed()

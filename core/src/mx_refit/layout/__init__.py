@@ -1,4 +1,8 @@
-"""Megatron layout engine: classify native shards, plan receives, translate to HF tensors.
+"""The receive planner (pure): a version's descriptors and sidecar plus this worker's target layout
+become a :class:`~mx_refit.plan.ReceivePlan` (which bytes to read, how they become HF tensors).
+
+It imports only ``types``, ``errors``, ``plan`` and the byte-range math (``mx_refit.ranges``);
+the trainer-side classifier lives in :mod:`mx_refit.megatron`.
 
 Import-light: submodules (and torch) load on first use of a re-exported name.
 """

@@ -51,7 +51,7 @@ from mx_refit.layout.receive_plan import (
     gc_paused,
     read_ops,
 )
-from mx_refit.layout.templates import Template, build_template
+from mx_refit.layout.placement import Template, build_template
 from mx_refit.types import Role, TargetLayout, TensorDescriptor, VersionInfo
 
 __all__ = [
@@ -90,7 +90,7 @@ def plan_receive(
     """Plan every byte ``target`` needs from ``version``'s Megatron shards.
 
     :param row_slice_options: keyword arguments for
-        :func:`mx_refit.transport.ranges.plan_row_slice` (cost constants, ``force``) used for
+        :func:`mx_refit.ranges.plan_row_slice` (cost constants, ``force``) used for
         row-parallel column sub-blocks (target TP wider than source TP).
     :param sticky_bytes: replicas of a shard (replicated tensors, EP replicas of dense shards,
         experts under expert-data-parallelism) are dealt round robin by address chunks of this

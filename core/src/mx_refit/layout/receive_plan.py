@@ -4,7 +4,7 @@ A :class:`MegatronReceivePlan` satisfies :class:`mx_refit.plan.ReceivePlan`: ``r
 arena of ``arena_bytes``, per-role byte accounting, and ``materialize`` turning the filled arena
 into ``(hf_name, tensor)`` pairs (views of the arena; staged row-parallel blocks are copied into
 place once). Each planned Megatron tensor is one entry ``[arena base, template, HF names, dtype,
-role, (source, address) per slot]``; the template (see :mod:`mx_refit.layout.templates`) holds
+role, (source, address) per slot]``; the template (see :mod:`mx_refit.layout.placement`) holds
 every offset and shape relative to the base.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,14 +21,13 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mx_refit.errors import InvalidArgument
-from mx_refit.layout.translate import place_column_blocks
 from mx_refit.plan import ViewMemo
 from mx_refit.types import ReadOp
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["MegatronReceivePlan", "TensorSpec", "describe_plan", "gc_paused", "read_ops"]
+__all__ = ["MegatronReceivePlan", "TensorSpec", "describe_plan", "gc_paused", "place_column_blocks", "read_ops"]
 
 
 class TensorSpec(NamedTuple):
@@ -192,3 +191,20 @@ def describe_plan(plan: MegatronReceivePlan) -> dict[str, Any]:
         "sources": len({r.source_id for r in plan.reads}),
         "unmapped": len(plan.unmapped),
     }
+
+
+def place_column_blocks(
+    out: torch.Tensor, blocks: Sequence[tuple[int, torch.Tensor]], col_start: int = 0
+) -> torch.Tensor:
+    """Copy column blocks ``(first_column, block [rows, w])`` of a row-parallel tensor into
+    ``out`` (which holds columns ``[col_start, col_start + out.shape[1])``); one strided copy per
+    block, so every byte is copied once. Returns ``out``."""
+    for first, block in blocks:
+        lo = first - col_start
+        if lo < 0 or lo + block.shape[1] > out.shape[1] or block.shape[0] != out.shape[0]:
+            raise ValueError(
+                f"column block at {first} of shape {tuple(block.shape)} does not fit output columns "
+                f"[{col_start}, {col_start + out.shape[1]}) x {out.shape[0]} rows"
+            )
+        out[:, lo : lo + block.shape[1]].copy_(block)
+    return out

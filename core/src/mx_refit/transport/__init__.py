@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mx_refit.transport.ranges import (
+from mx_refit.ranges import (
     DEFAULT_DESCRIPTOR_OVERHEAD_S,
     DEFAULT_LOCAL_COPY_BANDWIDTH,
     DEFAULT_TRANSFER_BANDWIDTH,

@@ -11,7 +11,7 @@ Measured constraints this module is shaped by (nixl 1.5.1 / UCX, 2xH200 over NVL
   registered region as a hit; :meth:`register_many` registers all new regions in one call.
 * STRIDED (Nx5) descriptors report DONE but move the WRONG bytes. They are never used; a column
   window is fetched per row or as a contiguous hull plus a local strided copy
-  (:func:`mx_refit.transport.ranges.plan_row_slice`).
+  (:func:`mx_refit.ranges.plan_row_slice`).
 * The agent runs without the listen thread: metadata travels through the catalog
   (:meth:`metadata` on the source, :meth:`connect` on the reader). A source must publish its
   metadata AFTER registering, and again whenever it registers more memory; :meth:`connect` reloads
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import InvalidArgument, NotFound, TransferError
-from mx_refit.transport.ranges import Range, RegionIndex, check_local_disjoint, coalesce, total_bytes
+from mx_refit.ranges import Range, RegionIndex, check_local_disjoint, coalesce, total_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

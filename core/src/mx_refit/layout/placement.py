@@ -17,7 +17,7 @@ the bands of one geometry, then builds one of two shapes of template:
 * columns (row-parallel, dim-1 split): a slot that is exactly the window is one read into place;
   whole slots that are part of a wider window are staged and placed with one strided copy; a
   column sub-block of a slot (target TP wider than source TP) goes through
-  :func:`mx_refit.transport.ranges.plan_row_slice` (per-row descriptors vs the contiguous hull,
+  :func:`mx_refit.ranges.plan_row_slice` (per-row descriptors vs the contiguous hull,
   by its cost model), landing in place when per-row reads can fill the window directly.
 """
 
@@ -39,7 +39,7 @@ from mx_refit.layout.bands import (
     vocab_window,
 )
 from mx_refit.layout.manifest import MegatronConfig
-from mx_refit.transport.ranges import plan_row_slice
+from mx_refit.ranges import plan_row_slice
 from mx_refit.types import Role, TargetLayout, TensorDescriptor
 
 __all__ = ["Copy", "Out", "Template", "build_template", "columns_template", "rows_template"]

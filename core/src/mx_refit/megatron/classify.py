@@ -23,14 +23,14 @@ parameter's own storage.
 
 from __future__ import annotations
 
-import fnmatch
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mx_refit.errors import MxRefitError
-from mx_refit.layout.megatron import ParallelContext, innermost_module, unwrap_model
+from mx_refit.errors import ClassificationError
+from mx_refit.megatron.parallel import ParallelContext, innermost_module, unwrap_model
+from mx_refit.overrides import RoleOverride, RoleOverrides
 from mx_refit.types import Role
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,10 +46,6 @@ __all__ = [
     "role_shard_axis",
     "strip_wrapper_prefix",
 ]
-
-
-class ClassificationError(MxRefitError, ValueError):
-    """A parameter cannot be classified (or published in place); the message names it."""
 
 
 # Shard axis of every split role (-1: whole tensor on every rank).
@@ -103,117 +99,6 @@ def strip_wrapper_prefix(name: str) -> str:
     return name
 
 
-# ----------------------------------------------------------------------------- overrides
-
-
-@dataclass(frozen=True)
-class RoleOverride:
-    """Force a role for parameters matching ``pattern`` (glob on the published name) and/or
-    owned by a module of class ``module_class``. ``shard_axis=None`` uses the role's axis."""
-
-    role: Role
-    pattern: str | None = None
-    module_class: str | None = None
-    shard_axis: int | None = None
-
-    def matches(self, name: str, module_class: str) -> bool:
-        if self.pattern is not None and not fnmatch.fnmatchcase(name, self.pattern):
-            return False
-        if self.module_class is not None and module_class != self.module_class:
-            return False
-        return True
-
-
-class RoleOverrides:
-    """A registry of role overrides; later registrations win, and name patterns beat classes.
-
-    ``register`` is a plain callable so the core can hand it to plugins through the
-    ``mx_refit_register_role_overrides(register)`` hook.
-    """
-
-    def __init__(self, entries: Iterable[RoleOverride] = ()) -> None:
-        self._entries: list[RoleOverride] = list(entries)
-
-    def register(
-        self,
-        role: Role | str,
-        pattern: str | None = None,
-        module_class: str | None = None,
-        shard_axis: int | None = None,
-    ) -> None:
-        """Add an override. At least one of ``pattern`` / ``module_class`` is required."""
-        try:
-            role = Role(role)
-        except ValueError:
-            raise ClassificationError(
-                f"role override role: {role!r} is not one of {[r.value for r in Role]}"
-            ) from None
-        if pattern is None and module_class is None:
-            raise ClassificationError(
-                f"role override for role {role.value!r} needs a pattern or a module_class"
-            )
-        if shard_axis is not None and shard_axis not in (-1, 0, 1):
-            raise ClassificationError(f"role override shard_axis: {shard_axis!r} is not -1, 0 or 1")
-        if role is Role.REPLICATED and shard_axis not in (None, -1):
-            raise ClassificationError(
-                f"role override shard_axis: {shard_axis} contradicts role 'replicated'"
-            )
-        self._entries.append(RoleOverride(role, pattern, module_class, shard_axis))
-
-    def extend_from_config(self, entries: Iterable[Mapping[str, Any]]) -> None:
-        """Add overrides from config dicts: ``{"role": ..., "pattern"|"module_class": ..., "shard_axis"?}``."""
-        allowed = {"role", "pattern", "module_class", "shard_axis"}
-        for index, entry in enumerate(entries):
-            unknown = set(entry) - allowed
-            if unknown:
-                raise ClassificationError(
-                    f"role_overrides[{index}]: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})"
-                )
-            if "role" not in entry:
-                raise ClassificationError(f"role_overrides[{index}]: missing 'role'")
-            self.register(
-                entry["role"],
-                pattern=entry.get("pattern"),
-                module_class=entry.get("module_class"),
-                shard_axis=entry.get("shard_axis"),
-            )
-
-    @classmethod
-    def from_config(cls, entries: Iterable[Mapping[str, Any]]) -> RoleOverrides:
-        registry = cls()
-        registry.extend_from_config(entries)
-        return registry
-
-    @classmethod
-    def from_plugins(cls, hooks: Any = None, config: Iterable[Mapping[str, Any]] = ()) -> RoleOverrides:
-        """Overrides registered by plugins (``mx_refit_register_role_overrides``), then ``config``
-        entries (registered later, so config wins over plugins)."""
-        from mx_refit.plugins import Hooks
-
-        registry = cls()
-        (hooks or Hooks()).register_role_overrides(registry.register)
-        registry.extend_from_config(config)
-        return registry
-
-    def lookup(self, name: str, module_class: str) -> RoleOverride | None:
-        """The winning override for a published name / owning class, or ``None``."""
-        by_class: RoleOverride | None = None
-        for entry in reversed(self._entries):
-            if not entry.matches(name, module_class):
-                continue
-            if entry.pattern is not None:
-                return entry  # the newest matching pattern wins outright
-            if by_class is None:
-                by_class = entry
-        return by_class
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Iterator[RoleOverride]:
-        return iter(self._entries)
-
-
 # ----------------------------------------------------------------------------- results
 
 
@@ -250,7 +135,7 @@ def _module_kinds() -> dict[str, frozenset[str]]:
     """Class-name registry: ours, extended by Bridge's AutoMapping registry when importable."""
     kinds = dict(_CLASS_KINDS)
     try:
-        from mx_refit.layout._bridge_import import import_bridge
+        from mx_refit.megatron._bridge_import import import_bridge
 
         import_bridge()
         from megatron.bridge.models.conversion.param_mapping import AutoMapping
@@ -425,7 +310,7 @@ def classify_model(
     """Classify every parameter of ``model`` (a module or a list of virtual-pipeline chunks).
 
     ``bridge_kinds`` maps published names to Bridge mapping kinds (see
-    ``mx_refit.layout.sidecar.bridge_mapping_kinds``); parameters it does not cover fall back to
+    ``mx_refit.megatron.sidecar.bridge_mapping_kinds``); parameters it does not cover fall back to
     Megatron-Core attributes. ``ctx`` defaults to ``ParallelContext.from_parallel_state()``.
     """
     ctx = ctx or ParallelContext.from_parallel_state()

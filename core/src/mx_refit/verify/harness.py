@@ -1,10 +1,10 @@
-"""Megatron-Core process plumbing for the trainer side of the layout engine.
+"""Process harness for the verify tool, the demo and the tests: Megatron-Core ranks on one machine.
 
 - CPU shims: megatron-core hard-codes a few CUDA calls that fail on machines without a GPU
   (``torch.cuda.current_device()`` in rotary embeddings and the global memory buffer, and the
   CUDA RNG tracker). ``apply_cpu_shims()`` patches exactly those, and only when CUDA is absent.
 - Process groups: ``init_distributed()`` + ``init_model_parallel()`` (gloo on CPU, NCCL on GPU).
-- ``ParallelContext``: this rank's TP/PP/EP/expert-TP coordinates, read from ``parallel_state``.
+- ``launch_ranks()`` / ``free_port()``: spawn ranks and give them a rendezvous port.
 - ``build_model_from_hf()``: an HF checkpoint directory -> a Megatron-Core model on this rank,
   through Megatron-Bridge (``AutoBridge``), with the requested TP/PP/EP.
 
@@ -20,14 +20,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from mx_refit.types import MeshPosition
+from mx_refit.megatron.parallel import BridgedModel
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
-    "BridgedModel",
-    "ParallelContext",
     "apply_cpu_shims",
     "build_model_from_hf",
     "RankFailed",
@@ -35,11 +33,7 @@ __all__ = [
     "free_port",
     "init_distributed",
     "init_model_parallel",
-    "innermost_module",
-    "is_publishing_rank",
     "launch_ranks",
-    "mesh_position",
-    "unwrap_model",
 ]
 
 _CPU_SHIMS_APPLIED = False
@@ -147,98 +141,6 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-@dataclass(frozen=True)
-class ParallelContext:
-    """This rank's coordinates in every parallel dimension the classifier needs.
-
-    Expert tensors are split by the expert-tensor-parallel group (ETP), which may differ from TP.
-    """
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    ep_rank: int = 0
-    ep_size: int = 1
-    etp_rank: int = 0
-    etp_size: int = 1
-
-    @classmethod
-    def from_parallel_state(cls) -> ParallelContext:
-        """Read ``megatron.core.parallel_state``; a single-rank context when it is not initialised."""
-        try:
-            from megatron.core import parallel_state as ps
-        except ImportError:
-            return cls()
-        if not ps.model_parallel_is_initialized():
-            return cls()
-        return cls(
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            pp_size=ps.get_pipeline_model_parallel_world_size(),
-            ep_rank=ps.get_expert_model_parallel_rank(),
-            ep_size=ps.get_expert_model_parallel_world_size(),
-            etp_rank=ps.get_expert_tensor_parallel_rank(),
-            etp_size=ps.get_expert_tensor_parallel_world_size(),
-        )
-
-    def mesh(self) -> MeshPosition:
-        return MeshPosition(
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            pp_rank=self.pp_rank,
-            pp_size=self.pp_size,
-            ep_rank=self.ep_rank,
-            ep_size=self.ep_size,
-        )
-
-
-def mesh_position() -> MeshPosition:
-    """This rank's ``MeshPosition`` (tp, pp, ep) for the Publisher."""
-    return ParallelContext.from_parallel_state().mesh()
-
-
-def is_publishing_rank() -> bool:
-    """True on the one rank per (tp, pp, ep) position that should publish.
-
-    Data-parallel replicas beyond the expert-parallel dimension hold identical shards and would
-    reuse a mesh position; only expert-data-parallel rank 0 publishes.
-    """
-    try:
-        from megatron.core import parallel_state as ps
-    except ImportError:
-        return True
-    if not ps.model_parallel_is_initialized():
-        return True
-    return ps.get_expert_data_parallel_rank() == 0
-
-
-def innermost_module(module: Any) -> Any:
-    """Strip DDP / Float16Module wrappers (each exposes the wrapped model as ``.module``)."""
-    import torch
-
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module
-    return module
-
-
-def unwrap_model(model: Any) -> list[Any]:
-    """Normalise a model / list of model chunks to a list (wrappers are kept: names carry them)."""
-    if isinstance(model, (list, tuple)):
-        return list(model)
-    return [model]
-
-
-@dataclass
-class BridgedModel:
-    """A Megatron-Core model built from an HF checkpoint, and the bridge that built it."""
-
-    bridge: Any  # megatron.bridge.AutoBridge
-    model: list[Any]  # model chunks (one per virtual pipeline stage)
-    hf_config: Any  # transformers.PretrainedConfig
-
-
 # Settings that make the bridge's providers build a model that runs (and converts) without TE/apex.
 _PORTABLE_PROVIDER_SETTINGS: dict[str, Any] = {
     "bf16": False,
@@ -283,7 +185,7 @@ def build_model_from_hf(
     """
     import torch
 
-    from mx_refit.layout._bridge_import import import_bridge
+    from mx_refit.megatron._bridge_import import import_bridge
 
     bridge_mod = import_bridge()
     dtype = dtype or torch.float32
@@ -328,7 +230,7 @@ def build_model_from_hf(
             fp16=half == "fp16",
             bf16=half == "bf16",
         )
-    return BridgedModel(bridge=bridge, model=list(model), hf_config=bridge.hf_pretrained.config)
+    return BridgedModel(bridge=bridge, model_chunks=list(model), hf_config=bridge.hf_pretrained.config)
 
 
 def free_port() -> int:

@@ -36,7 +36,7 @@ class _TEStubObject:
     """Base of every stub class: using one is a bug, so it fails loudly."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("transformer_engine is an import-time stub here (mx_refit.layout._bridge_import)")
+        raise RuntimeError("transformer_engine is an import-time stub here (mx_refit.megatron._bridge_import)")
 
 
 def _stub_module(name: str) -> types.ModuleType:

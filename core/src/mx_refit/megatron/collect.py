@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mx_refit.layout.classify import (
+from mx_refit.megatron.classify import (
     BridgeKind,
     ClassificationError,
     ClassifiedParam,
     RoleOverrides,
     classify_model,
 )
-from mx_refit.layout.megatron import ParallelContext, unwrap_model
-from mx_refit.layout.sidecar import bridge_mapping_kinds, build_sidecar, conversion_tasks
+from mx_refit.megatron.parallel import ParallelContext, unwrap_model
+from mx_refit.megatron.sidecar import bridge_mapping_kinds, build_sidecar, conversion_tasks
 from mx_refit.types import PublishedTensor
 
 __all__ = ["collect_for_publish", "collect_megatron_tensors", "to_published"]

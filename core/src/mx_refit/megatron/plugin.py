@@ -10,25 +10,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mx_refit import hookimpl
+from mx_refit.megatron.parallel import BridgedModel
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mx_refit.layout.classify import RoleOverrides
+    from mx_refit.overrides import RoleOverrides
     from mx_refit.plan import ReceivePlan
     from mx_refit.types import MeshPosition, PublishedTensor, TargetLayout, VersionInfo
 
+# The sidecar entry every Megatron publish carries (see mx_refit.megatron.sidecar).
 MEGATRON_CONFIG_KEY = "megatron.config"
 
 
-def _conversion_tasks(model: Any) -> list[Any]:
-    """Bridge's conversion tasks, computed once per model: computing them is a PP collective and
-    the model's structure does not change between steps."""
-    tasks = getattr(model, "_mx_refit_tasks", None)
-    if tasks is None:
-        from mx_refit.layout.sidecar import conversion_tasks
+def _conversion_tasks(model: BridgedModel) -> list[Any]:
+    """Bridge's conversion tasks, computed once per model and kept on its public field:
+    computing them is a PP collective and the model's structure does not change between steps."""
+    if model.conversion_tasks is None:
+        from mx_refit.megatron.sidecar import conversion_tasks
 
-        tasks = conversion_tasks(model.bridge, model.model)
-        model._mx_refit_tasks = tasks
-    return tasks
+        model.conversion_tasks = conversion_tasks(model.bridge, model.model_chunks)
+    return model.conversion_tasks
 
 
 def _megatron_chunks(model: Any) -> list[Any] | None:
@@ -45,16 +45,14 @@ def mx_refit_collect_tensors(
 ) -> "list[PublishedTensor] | None":
     """A ``BridgedModel`` is classified with Megatron-Bridge's mappings; a bare Megatron-Core
     model with its own parallel attributes."""
-    from mx_refit.layout.megatron import BridgedModel
-
     if isinstance(model, BridgedModel):
-        from mx_refit.layout.collect import collect_megatron_tensors
+        from mx_refit.megatron.collect import collect_megatron_tensors
 
-        return collect_megatron_tensors(model.model, overrides, tasks=_conversion_tasks(model))
+        return collect_megatron_tensors(model.model_chunks, overrides, tasks=_conversion_tasks(model))
     chunks = _megatron_chunks(model)
     if chunks is None:
         return None
-    from mx_refit.layout.collect import collect_megatron_tensors
+    from mx_refit.megatron.collect import collect_megatron_tensors
 
     return collect_megatron_tensors(chunks, overrides)
 
@@ -62,13 +60,11 @@ def mx_refit_collect_tensors(
 @hookimpl
 def mx_refit_build_sidecar(model: Any, mesh: "MeshPosition") -> dict[str, Any] | None:
     """Transformer config and the Megatron->HF name map, from Megatron-Bridge's conversion tasks."""
-    from mx_refit.layout.megatron import BridgedModel
-
     if not isinstance(model, BridgedModel):
         return None
-    from mx_refit.layout.sidecar import build_sidecar
+    from mx_refit.megatron.sidecar import build_sidecar
 
-    return build_sidecar(model.bridge, model.model, model.hf_config, tasks=_conversion_tasks(model))
+    return build_sidecar(model.bridge, model.model_chunks, model.hf_config, tasks=_conversion_tasks(model))
 
 
 @hookimpl

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mx_refit.layout.classify import BridgeKind, ClassificationError, strip_wrapper_prefix
-from mx_refit.layout.megatron import innermost_module, unwrap_model
+from mx_refit.megatron.classify import BridgeKind, ClassificationError, strip_wrapper_prefix
+from mx_refit.megatron.parallel import innermost_module, unwrap_model
 
 __all__ = [
     "CONFIG_KEY",

@@ -7,7 +7,7 @@
 
 1. ``T*P*E`` trainer processes (one per Megatron rank; gloo on CPU, NCCL on GPU) load the
    checkpoint into a Megatron-Core model through Megatron-Bridge and publish their NATIVE shards
-   in place with the core ``Publisher`` (classifier + sidecar from ``mx_refit.layout``);
+   in place with the core ``Publisher`` (classifier + sidecar from ``mx_refit.megatron``);
 2. receivers for the target layout (one process per target rank, ``T2*E2``) refit through the
    real catalog (``start_embedded``) and NIXL with the core ``Receiver``;
 3. every HF tensor a receiver materialises is compared with the checkpoint's own safetensors
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mx_refit.layout.verify_expect import checkpoint_dtype, checkpoint_index, compare_received, expected_windows
+from mx_refit.verify.expect import checkpoint_dtype, checkpoint_index, compare_received, expected_windows
 from mx_refit.types import TargetLayout
 
 __all__ = ["VerifyRun", "add_verify_arguments", "run_verify", "verify_from_args", "verify_main"]
@@ -85,10 +85,11 @@ def _source_rank(rank: int, run: VerifyRun, port: int, address: str, model: str,
     try:
         import torch
 
-        from mx_refit.layout.classify import RoleOverrides
-        from mx_refit.layout.collect import collect_for_publish
-        from mx_refit.layout.megatron import (
-            ParallelContext, build_model_from_hf, destroy_distributed, init_distributed, init_model_parallel,
+        from mx_refit.megatron.collect import collect_for_publish
+        from mx_refit.megatron.parallel import ParallelContext
+        from mx_refit.plugins import Hooks
+        from mx_refit.verify.harness import (
+            build_model_from_hf, destroy_distributed, init_distributed, init_model_parallel,
         )
         from mx_refit.publisher import Publisher
 
@@ -97,7 +98,9 @@ def _source_rank(rank: int, run: VerifyRun, port: int, address: str, model: str,
         dtype = getattr(torch, checkpoint_dtype(run.hf_dir))
         built = build_model_from_hf(run.hf_dir, tp=run.source_tp, pp=run.source_pp, ep=run.source_ep,
                                     device=run.device, dtype=dtype)
-        overrides = RoleOverrides.from_plugins(config=run.role_overrides)
+        hooks = Hooks()
+        hooks.configure({"role_overrides": list(run.role_overrides)})
+        overrides = hooks.role_overrides()
         tensors, sidecar = collect_for_publish(built.bridge, built.model, overrides)
         ctx = ParallelContext.from_parallel_state()
         publisher = Publisher(address, model, mesh=ctx.mesh(), expected_sources=run.world,
@@ -226,7 +229,7 @@ def run_verify(run: VerifyRun, log: Callable[[str], None] | None = None) -> dict
     still costs CPU, and CI machines are small).
     """
     from mx_refit.catalog.server import start_embedded
-    from mx_refit.layout.megatron import free_port
+    from mx_refit.verify.harness import free_port
 
     log = log or (lambda msg: None)
     names = sorted(checkpoint_index(run.hf_dir))
@@ -323,7 +326,8 @@ def verify_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
         return fail(f"--hf-dir {args.hf_dir!r} is not a directory")
     overrides: tuple[dict[str, Any], ...] = ()
     if args.role_overrides:
-        from mx_refit.layout.classify import ClassificationError, RoleOverrides
+        from mx_refit.errors import ClassificationError
+        from mx_refit.overrides import RoleOverrides
 
         try:
             with open(args.role_overrides) as handle:
@@ -347,5 +351,5 @@ def verify_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
     ok = summary["identical"] == summary["tensors"] and not summary["mismatched"] and not summary["missing"]
     return 0 if ok else 1
 
-if __name__ == "__main__":  # pragma: no cover - `python -m mx_refit.layout.verify ...`
+if __name__ == "__main__":  # pragma: no cover - `python -m mx_refit.verify ...`
     sys.exit(verify_main(sys.argv[1:]))

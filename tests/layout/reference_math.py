@@ -1,4 +1,5 @@
-"""Megatron -> HF tensor math (and its inverse), on full tensors, shards or receiver windows.
+"""Reference Megatron <-> HF tensor math for the tests (the production path is the planner's
+placement in ``mx_refit.layout``), on full tensors, shards or receiver windows.
 
 Everything is expressed through the row bands of :mod:`mx_refit.layout.bands`, so the math the
 planner uses to lay bytes out in its arena and the math these functions apply to tensors are the
@@ -11,8 +12,8 @@ same code path. Results are byte-identical to Megatron-Bridge 0.6.2's ``split_qk
 * :func:`scatter_rows`: the general primitive, for any contiguous run of Megatron rows (a TP shard
   that cuts through a query group, a partial window): copies each band piece to its HF place.
 * :func:`trim_vocab`: drop Megatron's vocabulary padding (a view).
-* :func:`place_column_blocks`: assemble a row-parallel (dim-1 split) tensor or window from
-  column blocks with one strided copy per block.
+
+``place_column_blocks`` (used by the receive path) lives in ``mx_refit.layout.receive_plan``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ __all__ = [
     "gather_row_parallel",
     "merge_gated",
     "merge_qkv",
-    "place_column_blocks",
     "scatter_rows",
     "split_gated",
     "split_qkv",
@@ -131,23 +131,6 @@ def trim_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if weight.shape[0] < vocab_size:
         raise ValueError(f"tensor has {weight.shape[0]} vocabulary rows, fewer than vocab_size={vocab_size}")
     return weight[:vocab_size]
-
-
-def place_column_blocks(
-    out: torch.Tensor, blocks: Sequence[tuple[int, torch.Tensor]], col_start: int = 0
-) -> torch.Tensor:
-    """Copy column blocks ``(first_column, block [rows, w])`` of a row-parallel tensor into
-    ``out`` (which holds columns ``[col_start, col_start + out.shape[1])``); one strided copy per
-    block, so every byte is copied once. Returns ``out``."""
-    for first, block in blocks:
-        lo = first - col_start
-        if lo < 0 or lo + block.shape[1] > out.shape[1] or block.shape[0] != out.shape[0]:
-            raise ValueError(
-                f"column block at {first} of shape {tuple(block.shape)} does not fit output columns "
-                f"[{col_start}, {col_start + out.shape[1]}) x {out.shape[0]} rows"
-            )
-        out[:, lo : lo + block.shape[1]].copy_(block)
-    return out
 
 
 def gather_row_parallel(shards: Sequence[torch.Tensor]) -> torch.Tensor:
