@@ -3,10 +3,14 @@ receiver, embedded gRPC catalog and NIXL agents wherever the hook is called from
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from mx_refit import hookimpl
+from mx_refit.catalog.client import CatalogClient
+from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
 from mx_refit.plan import plan_full_tensors
 from mx_refit.plugins import Hooks
 from mx_refit.publisher import Publisher
@@ -245,3 +249,91 @@ def test_hook_mx_refit_refit_done(pair):
     (s,) = stats
     assert (s.version, s.tensors, s.bytes_pulled, s.bytes_needed, s.sources) == (1, 1, 4096, 4096, 1)
     assert s.seconds > 0 and s.gbps > 0 and s.descriptors == 1
+
+
+class _Lifecycle:
+    """Records the retire/drain/failure notifications."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    @hookimpl
+    def mx_refit_version_retired(self, model, version):
+        self.seen.append(("retired", model, version))
+
+    @hookimpl
+    def mx_refit_version_drained(self, model, version):
+        self.seen.append(("drained", model, version))
+
+    @hookimpl
+    def mx_refit_refit_failed(self, model, version, error):
+        self.seen.append(("failed", model, version, error))
+
+
+def test_hook_mx_refit_version_retired(pair):
+    hooks, pub, rec = pair
+    watch = _Lifecycle()
+    hooks.register(watch)
+    pub.publish(1, [PublishedTensor("x", torch.zeros(4))])
+    rec.refit(1)
+    assert watch.seen == []
+    pub.wait_drained(1, timeout_s=30)
+    assert watch.seen == [("retired", pub.model, 1), ("drained", pub.model, 1)]
+    with pytest.raises((NotFound, FailedPrecondition)):  # retired: offered to no new reader
+        rec.discover(1)
+
+
+def test_hook_mx_refit_version_drained(mx_catalog, mx_model_name):
+    """A reader holding a lease delays the drain; a second rank that only waits (wait_retired)
+    hears of the drain too, without retiring anything itself."""
+    hooks = Hooks()
+    watch = _Lifecycle()
+    hooks.register(watch)
+    client = CatalogClient(mx_catalog)
+    ranks = [
+        Publisher(client, mx_model_name, mesh=MeshPosition(tp_rank=r, tp_size=2), expected_sources=2, hooks=hooks)
+        for r in range(2)
+    ]
+    try:
+        for r, rank in enumerate(ranks):
+            rank.publish(1, [PublishedTensor("x", torch.full((2,), float(r)), Role.COLUMN, (4,), 0, 2 * r)])
+        ranks[1].wait_ready(1, timeout_s=30)
+        lease = client.acquire_lease(model=mx_model_name, version=1, reader_id="slow-reader", ttl_s=60)
+        with pytest.raises(TimeoutError, match=rf"version 1 of '{mx_model_name}' still has live reader leases"):
+            ranks[0].wait_drained(1, timeout_s=0.2)
+        assert [s[0] for s in watch.seen] == ["retired"]
+        with pytest.raises(TimeoutError, match=r"not retired after .*DRAINING"):
+            ranks[1].wait_retired(1, timeout_s=0.3)
+        client.release_lease(lease_id=lease)
+        ranks[1].wait_retired(1, timeout_s=30)
+        assert watch.seen[1:] == [("drained", mx_model_name, 1)]
+    finally:
+        for p in ranks:
+            p.close()
+
+
+def test_hook_mx_refit_refit_failed(pair):
+    hooks, pub, rec = pair
+    watch = _Lifecycle()
+    hooks.register(watch)
+    with pytest.raises(NotFound):
+        rec.refit(7)  # nothing published: discovery fails
+    (event,) = watch.seen
+    assert event[:3] == ("failed", rec.model, 7) and isinstance(event[3], NotFound)
+
+    pub.publish(1, [PublishedTensor("x", torch.arange(4.0))])
+    before = rec.refit(1)
+
+    class BrokenPlanner:  # a planner that claims more bytes than the source holds
+        @hookimpl(tryfirst=True)
+        def mx_refit_plan_receive(self, version, target):
+            plan = plan_full_tensors(version)
+            plan.reads[0] = dataclasses.replace(plan.reads[0], local_offset=plan.arena_bytes)
+            return plan
+
+    hooks.register(BrokenPlanner())
+    pub.publish(2, [PublishedTensor("x", torch.arange(4.0) + 10)])
+    with pytest.raises(InvalidArgument, match="exceeds"):
+        rec.refit(2)
+    assert watch.seen[-1][:3] == ("failed", rec.model, 2) and isinstance(watch.seen[-1][3], InvalidArgument)
+    assert torch.equal(before.tensors[0][1], torch.arange(4.0))  # the previous weights are untouched

@@ -133,8 +133,11 @@ def test_import_is_light():
         "import sys\n"
         f"for m in {heavy!r}: sys.modules[m] = None\n"
         "import mx_refit, mx_refit.hookspecs, mx_refit.plugins, mx_refit.catalog, mx_refit.transport\n"
+        "import mx_refit.config, mx_refit.layout, mx_refit.megatron, mx_refit.verify\n"
         "from mx_refit.plugins import Hooks\n"
         "Hooks().pm\n"
+        "from mx_refit import BridgedModel, Hooks, Publisher, Receiver, is_publishing_rank, load_config\n"
+        "from mx_refit import mesh_position, shared_transport\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,13 +1,23 @@
 """mx-refit: move freshly trained weights from RL trainers into inference engines over NIXL.
 
-Importing this package is cheap: it pulls in neither torch, nixl, grpc nor any framework.
+The front door: trainers use :class:`Publisher`, inference workers :class:`Receiver`; both take a
+catalog address or any :class:`Catalog`, and a config-built variant (``from_config``).
+Framework plugins import from mx-refit only this package root, ``mx_refit.hookspecs`` (with
+``mx_refit.hookimpl``), ``mx_refit.types``, ``mx_refit.errors`` and ``mx_refit.config``.
+
+Importing this package is cheap: it pulls in neither torch, nixl, grpc nor any framework. The
+classes and functions below the errors and types load on first use (PEP 562).
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 import pluggy
 
 from mx_refit.errors import (
+    ClassificationError,
     CoverageError,
     FailedPrecondition,
     InvalidArgument,
@@ -36,16 +46,65 @@ __version__ = "0.1.0"
 hookimpl = pluggy.HookimplMarker("mx_refit")
 """Marker for plugin hook implementations: ``@mx_refit.hookimpl``."""
 
+if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.catalog.api import Catalog
+    from mx_refit.catalog.server import CatalogServer, start_catalog
+    from mx_refit.config import WeightSyncConfig, load_config
+    from mx_refit.megatron.parallel import BridgedModel, is_publishing_rank, mesh_position
+    from mx_refit.plugins import Hooks
+    from mx_refit.publisher import Publisher
+    from mx_refit.receiver import Receiver, RefitResult
+    from mx_refit.transport import shared_transport
+
+# Front-door names resolved on first access, so `import mx_refit` stays light.
+_LAZY = {
+    "BridgedModel": "mx_refit.megatron.parallel",
+    "Catalog": "mx_refit.catalog.api",
+    "CatalogServer": "mx_refit.catalog.server",
+    "Hooks": "mx_refit.plugins",
+    "Publisher": "mx_refit.publisher",
+    "Receiver": "mx_refit.receiver",
+    "RefitResult": "mx_refit.receiver",
+    "WeightSyncConfig": "mx_refit.config",
+    "is_publishing_rank": "mx_refit.megatron.parallel",
+    "load_config": "mx_refit.config",
+    "mesh_position": "mx_refit.megatron.parallel",
+    "shared_transport": "mx_refit.transport",
+    "start_catalog": "mx_refit.catalog.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
+    "BridgedModel",
+    "Catalog",
+    "CatalogServer",
+    "ClassificationError",
     "CoverageError",
     "FailedPrecondition",
+    "Hooks",
     "InvalidArgument",
     "MemType",
     "MeshPosition",
     "MxRefitError",
     "NotFound",
     "PublishedTensor",
+    "Publisher",
     "ReadOp",
+    "Receiver",
+    "RefitResult",
     "RefitStats",
     "Role",
     "SourceInfo",
@@ -56,6 +115,12 @@ __all__ = [
     "Unavailable",
     "VersionInfo",
     "VersionState",
+    "WeightSyncConfig",
     "__version__",
     "hookimpl",
+    "is_publishing_rank",
+    "load_config",
+    "mesh_position",
+    "shared_transport",
+    "start_catalog",
 ]

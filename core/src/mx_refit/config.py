@@ -1,12 +1,28 @@
-"""Typed configuration for Hydra recipes (``weight_sync.method: mx``) and its validation.
+"""Typed configuration of the ``weight_sync`` block (``weight_sync.method: mx``) and its validation.
 
-The schema is plain dataclasses; :func:`load_recipe` composes a recipe with Hydra and validates it
-into a :class:`WeightSyncConfig`. Errors name the field and the value.
+The schema is plain dataclasses. :func:`load_config` builds a :class:`WeightSyncConfig` from any
+mapping (a plain dict, an OmegaConf ``DictConfig``, a framework's own config tree), so hosts such as
+NeMo RL need no Hydra recipe folder; :func:`load_recipe` composes one of the bundled Hydra recipes
+and hands it to the same loader. mx-refit validates only its own keys (an unknown one gets a "did
+you mean"); a key whose value is a mapping is a plugin's namespace (``weight_sync.<plugin>: {...}``),
+kept for that plugin in :attr:`WeightSyncConfig.plugin_settings`. Errors name the field and the value.
+
+Where each key takes effect:
+
+- ``model_name``, ``source_ttl_s``, ``drain_timeout_s``, ``plugins``, ``role_overrides``:
+  ``Publisher.from_config``; ``model_name``, ``transfer_timeout_s``, ``lease_ttl_s``,
+  ``full_tensors``, ``plugins``, ``role_overrides``: ``Receiver.from_config``. Both call
+  ``Hooks.configure(as_dict(cfg))``, so plugins see the whole block (their namespace included).
+- ``catalog.*``: ``catalog_address(cfg)`` (standalone) and ``start_catalog(config=cfg)`` (embedded).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +30,16 @@ from typing import Any
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import Role
 
-__all__ = ["CatalogConfig", "RoleOverrideConfig", "WeightSyncConfig", "load_recipe", "validate"]
+__all__ = [
+    "CatalogConfig",
+    "RoleOverrideConfig",
+    "WeightSyncConfig",
+    "as_dict",
+    "catalog_address",
+    "load_config",
+    "load_recipe",
+    "validate",
+]
 
 RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
 
@@ -22,9 +47,10 @@ RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
 @dataclass
 class CatalogConfig:
     mode: str = "embedded"  # embedded | standalone
-    address: str | None = None  # standalone: host:port of `mx-refit serve`
-    host: str = "127.0.0.1"  # embedded: bind address
+    address: str | None = None  # standalone: host:port of `mx-refit serve`; embedded: filled in once started
+    host: str = "127.0.0.1"  # embedded: bind address (0.0.0.0 binds every interface)
     port: int = 0  # embedded: 0 picks a free port
+    advertise_host: str | None = None  # embedded: the host name clients dial (default: a routable one)
     token: str | None = None
 
 
@@ -46,8 +72,10 @@ class WeightSyncConfig:
     source_ttl_s: float = 30.0
     drain_timeout_s: float = 120.0
     full_tensors: bool = True
-    plugins: list[str] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
     role_overrides: list[RoleOverrideConfig] = field(default_factory=list)
+    # weight_sync.<plugin>: {...} namespaces, untouched by mx-refit, for their plugins
+    plugin_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
@@ -64,6 +92,9 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
             raise InvalidArgument(f"weight_sync.catalog.address: {cfg.catalog.address!r} (expected host:port)")
     if not 0 <= cfg.catalog.port < 65536:
         raise InvalidArgument(f"weight_sync.catalog.port: {cfg.catalog.port} out of range")
+    for i, name in enumerate(cfg.plugins):
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidArgument(f"weight_sync.plugins[{i}]: {name!r} (expected a plugin name)")
     for key in ("transfer_timeout_s", "lease_ttl_s", "source_ttl_s", "drain_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise InvalidArgument(f"weight_sync.{key}: {getattr(cfg, key)} must be > 0")
@@ -76,8 +107,33 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
     return cfg
 
 
+def load_config(mapping: Any) -> WeightSyncConfig:
+    """Build and validate a :class:`WeightSyncConfig` from a mapping, without Hydra.
+
+    :param mapping: The ``weight_sync`` block, or a whole config holding one under the key
+        ``weight_sync``: a plain dict or an OmegaConf ``DictConfig`` (interpolations are resolved
+        against its root). Missing keys take their defaults.
+    :raises InvalidArgument: naming the field and the value, for a wrong type or value, and for
+        an unknown scalar key (with the closest known key). Keys holding a mapping that mx-refit
+        does not know are plugin namespaces, returned in ``cfg.plugin_settings[<plugin>]``.
+    """
+    section = _plain(mapping)
+    if not isinstance(section, Mapping):
+        raise InvalidArgument(f"weight_sync: expected a mapping, got {type(mapping).__qualname__}")
+    if isinstance(section.get("weight_sync"), Mapping):
+        section = section["weight_sync"]
+    namespaces: dict[str, dict[str, Any]] = {}
+    cfg = _build(WeightSyncConfig, section, "weight_sync", namespaces)
+    for name, settings in namespaces.items():
+        if name in cfg.plugin_settings and cfg.plugin_settings[name] != settings:
+            raise InvalidArgument(f"weight_sync.{name}: given both there and in weight_sync.plugin_settings.{name}")
+        cfg.plugin_settings[name] = settings
+    return validate(cfg)
+
+
 def load_recipe(name: str = "config", overrides: list[str] | None = None, config_dir: Path | None = None) -> WeightSyncConfig:
-    """Compose ``name`` (a YAML file in ``config_dir``, default ``recipes/``) and validate it."""
+    """Compose ``name`` (a YAML file in ``config_dir``, default ``recipes/``) with Hydra and
+    validate its ``weight_sync`` block with :func:`load_config`."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -90,12 +146,102 @@ def load_recipe(name: str = "config", overrides: list[str] | None = None, config
     try:
         # Resolve against the whole recipe first (``${model_name}`` lives at its root).
         section = OmegaConf.to_container(cfg.weight_sync, resolve=True)
-        merged = OmegaConf.merge(OmegaConf.structured(WeightSyncConfig), section)
-        typed: Any = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:  # type errors, missing values (???), unknown keys
+    except OmegaConfBaseException as exc:  # interpolation errors
         raise InvalidArgument(f"recipe {name!r}: weight_sync.{exc.full_key}: {exc.msg}") from exc
-    return validate(typed)
+    return load_config(section)
 
 
 def as_dict(cfg: WeightSyncConfig) -> dict[str, Any]:
+    """The config as plain JSON-safe data (what ``Hooks.configure`` hands to plugins)."""
     return dataclasses.asdict(cfg)
+
+
+def catalog_address(cfg: WeightSyncConfig) -> str | None:
+    """The catalog address clients dial: ``catalog.address`` (always set for ``standalone``; for
+    ``embedded`` once the process that started it filled it in), else ``None``."""
+    return cfg.catalog.address
+
+
+# ----------------------------------------------------------------------------- the loader
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers -> plain dicts/lists (interpolations resolved)."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            return OmegaConf.to_container(value, resolve=True)
+        except OmegaConfBaseException as exc:
+            raise InvalidArgument(f"weight_sync.{exc.full_key}: {exc.msg}") from exc
+    return value
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(sorted(known))})"
+
+
+def _build(cls: type, data: Any, path: str, namespaces: dict[str, dict[str, Any]] | None = None) -> Any:
+    """``cls`` (a config dataclass) from ``data``; ``namespaces`` collects plugin blocks (top level only)."""
+    data = _plain(data)
+    if not isinstance(data, Mapping):
+        raise InvalidArgument(f"{path}: {data!r} (expected a mapping)")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in hints:
+            values[key] = _coerce(value, hints[key], f"{path}.{key}")
+            continue
+        close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.75)
+        if namespaces is not None and isinstance(value, Mapping) and not close:
+            namespaces[str(key)] = dict(value)  # a plugin's namespace: its plugin validates it
+            continue
+        if close:
+            raise InvalidArgument(f"{path}.{key}: unknown key (value {value!r}); did you mean {close[0]!r}?")
+        hint = "" if namespaces is None else "; a plugin's settings go in a mapping, weight_sync.<plugin>: {...}"
+        raise InvalidArgument(f"{path}.{key}: unknown key (value {value!r}){_suggest(str(key), names)}{hint}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    value = _plain(value)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, path)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)  # type: ignore[arg-type]
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise InvalidArgument(f"{path}: {value!r} (expected a list)")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise InvalidArgument(f"{path}: {value!r} (expected a mapping)")
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"{path}: {value!r} (expected true or false)")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(f"{path}: {value!r} (expected a number)")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(f"{path}: {value!r} (expected an integer)")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{path}: {value!r} (expected a string)")
+        return str(value)
+    raise TypeError(f"{path}: unsupported config type {hint!r}")  # a schema bug, not user input

@@ -208,3 +208,41 @@ def mx_refit_refit_done(stats: "RefitStats") -> None:
 
     .. versionadded:: 0.1
     """
+
+
+@hookspec
+def mx_refit_version_retired(model: str, version: int) -> None:
+    """``version`` was retired: the catalog offers it to no new reader (live leases may finish).
+
+    Called in the publishing process that asked the catalog to retire it
+    (:meth:`~mx_refit.publisher.Publisher.wait_drained`), right after the catalog agreed.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
+def mx_refit_version_drained(model: str, version: int) -> None:
+    """``version`` is drained: retired and no reader holds a lease on it any more, so the
+    trainer may mutate the published buffers (e.g. run its optimizer step).
+
+    Called in a publishing process whose :meth:`~mx_refit.publisher.Publisher.wait_drained` or
+    :meth:`~mx_refit.publisher.Publisher.wait_retired` saw it drained.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
+def mx_refit_refit_failed(model: str, version: int | None, error: BaseException) -> None:
+    """A receiver's refit cycle failed; the engine still holds its previous weights.
+
+    :param model: The model name.
+    :param version: The version being refitted, or ``None`` when none was found (discovery
+        failed or timed out).
+    :param error: The exception, which :meth:`~mx_refit.receiver.Receiver.refit` re-raises
+        after every implementation ran.
+    Called in the receiving worker, after the lease was released.
+
+    .. versionadded:: 0.2
+    """

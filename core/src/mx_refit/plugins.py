@@ -2,6 +2,8 @@
 
 Loading is lazy (first hook call), happens once per :class:`Hooks`, and is controlled by:
 
+- ``allow`` (``Hooks(allow=...)``, from ``weight_sync.plugins``): the same allow-list, from a
+  config; the environment variable wins when both are set.
 - ``MX_REFIT_PLUGINS``: comma-separated allow-list of entry-point names. Only these load, and
   one that cannot be found or imported raises :class:`PluginLoadError`. Unset: every installed
   plugin loads; one that fails to import is skipped with a warning.
@@ -17,6 +19,7 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -63,9 +66,17 @@ def get_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
-def load_plugins(pm: pluggy.PluginManager) -> None:
-    """Register the built-ins and the allowed entry points, then check every hookimpl."""
+def load_plugins(pm: pluggy.PluginManager, allow: "Iterable[str] | None" = None) -> None:
+    """Register the built-ins and the allowed entry points, then check every hookimpl.
+
+    :param allow: an allow-list from a config (``weight_sync.plugins``); ``None`` or empty
+        allows every plugin. ``MX_REFIT_PLUGINS`` wins when set.
+    """
     allowed = _env_names(ALLOW_ENV)
+    allow_source = ALLOW_ENV
+    if allowed is None and allow:
+        allowed = {name.strip() for name in allow if name.strip()}
+        allow_source = "weight_sync.plugins"
     blocked = _env_names(BLOCK_ENV) or set()
     for name in blocked:
         pm.set_blocked(name)
@@ -85,7 +96,7 @@ def load_plugins(pm: pluggy.PluginManager) -> None:
             plugin = ep.load()
         except Exception as exc:  # an allow-listed plugin must fail loudly, others are skipped
             if allowed is not None:
-                raise PluginLoadError(f"{ALLOW_ENV} plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+                raise PluginLoadError(f"{allow_source} plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
             warnings.warn(f"mx-refit plugin {ep.name!r} ({ep.value}) skipped: {exc}", RuntimeWarning, stacklevel=2)
             continue
         pm.register(plugin, name=ep.name)
@@ -94,7 +105,7 @@ def load_plugins(pm: pluggy.PluginManager) -> None:
         missing = sorted(allowed - found - blocked - set(BUILTIN_PLUGINS))
         if missing:
             raise PluginLoadError(
-                f"{ALLOW_ENV} names {missing} but no installed distribution provides them in the "
+                f"{allow_source} names {missing} but no installed distribution provides them in the "
                 f"{ENTRY_POINT_GROUP!r} entry-point group (installed: {sorted(found) or 'none'})"
             )
     pm.check_pending()
@@ -108,11 +119,15 @@ class Hooks:
 
     :param pm: An existing manager (tests, embedding hosts). ``None`` builds one lazily on first
         use and loads plugins into it exactly once, thread-safely.
+    :param allow: Plugin allow-list (``weight_sync.plugins``); ``None`` or empty: every plugin.
     """
 
-    def __init__(self, pm: pluggy.PluginManager | None = None, *, load: bool = True) -> None:
+    def __init__(
+        self, pm: pluggy.PluginManager | None = None, *, load: bool = True, allow: Iterable[str] | None = None
+    ) -> None:
         self._pm = pm
         self._load = load
+        self._allow = list(allow) if allow is not None else None
         self._loaded = pm is not None and not load
         self._lock = threading.Lock()
         self._settings: dict[str, Any] = {}
@@ -126,7 +141,7 @@ class Hooks:
                     if self._pm is None:
                         self._pm = get_plugin_manager()
                     if self._load:
-                        load_plugins(self._pm)
+                        load_plugins(self._pm, allow=self._allow)
                     self._loaded = True
         assert self._pm is not None
         return self._pm
@@ -207,3 +222,12 @@ class Hooks:
 
     def refit_done(self, stats: "RefitStats") -> None:
         self.pm.hook.mx_refit_refit_done(stats=stats)
+
+    def version_retired(self, model: str, version: int) -> None:
+        self.pm.hook.mx_refit_version_retired(model=model, version=version)
+
+    def version_drained(self, model: str, version: int) -> None:
+        self.pm.hook.mx_refit_version_drained(model=model, version=version)
+
+    def refit_failed(self, model: str, version: int | None, error: BaseException) -> None:
+        self.pm.hook.mx_refit_refit_failed(model=model, version=version, error=error)

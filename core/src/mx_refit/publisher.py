@@ -9,12 +9,16 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from mx_refit._backoff import Backoff
 from mx_refit._heartbeat import Heartbeat
-from mx_refit.errors import InvalidArgument
+from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
 from mx_refit.types import MemType, MeshPosition, PublishedTensor, SourceInfo, TensorDescriptor, VersionState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mx_refit.catalog.client import CatalogClient
+    import torch
+
+    from mx_refit.catalog.api import Catalog, VersionSummary
+    from mx_refit.config import WeightSyncConfig
     from mx_refit.plugins import Hooks
     from mx_refit.transport.nixl import NixlTransport
 
@@ -52,20 +56,26 @@ class Publisher:
 
         pub = Publisher(address, "qwen3", mesh=MeshPosition(tp_rank=r, tp_size=4), expected_sources=4)
         pub.publish(step, model=model)      # register in place, register source, mark ready
+        pub.wait_ready(step, timeout_s=60)  # every rank has published: tell the engines
         ...                                 # inference workers pull
         pub.wait_drained(step)              # before the optimizer mutates the published buffers
 
-    :param catalog: Catalog address (``host:port``) or a :class:`CatalogClient`.
+    :param catalog: Catalog address (``host:port``) or any object satisfying the
+        :class:`~mx_refit.catalog.api.Catalog` protocol (a ``CatalogClient``, an in-process
+        ``CatalogService``, ...).
     :param expected_sources: How many ranks publish each version; it becomes READY when all have.
+    :param transport: The transport to register and serve from; ``None`` makes one for this
+        publisher (closed with it). Pass :func:`mx_refit.shared_transport` to share the process's.
     :param ttl_s: Source TTL; a heartbeat renews it every ``ttl_s / 3`` seconds.
     :param expected_readers: How many distinct readers (by ``reader_id``) read each version;
         with it, :meth:`wait_read` replaces :meth:`wait_drained` for trainers that have no
         central driver telling them when the readers are done. 0: not tracked.
+    :param drain_timeout_s: Default wait of :meth:`wait_drained` and :meth:`wait_retired`.
     """
 
     def __init__(
         self,
-        catalog: "str | CatalogClient",
+        catalog: "str | Catalog",
         model: str,
         *,
         mesh: MeshPosition | None = None,
@@ -76,8 +86,9 @@ class Publisher:
         hooks: "Hooks | None" = None,
         ttl_s: float = 30.0,
         expected_readers: int = 0,
+        drain_timeout_s: float = 120.0,
     ) -> None:
-        from mx_refit.catalog.client import CatalogClient
+        from mx_refit.catalog.api import as_catalog
         from mx_refit.plugins import Hooks
 
         self.model = model
@@ -88,10 +99,12 @@ class Publisher:
         self.source_id = source_id or (
             f"{model}/tp{self.mesh.tp_rank}-pp{self.mesh.pp_rank}-ep{self.mesh.ep_rank}"
         )
-        self.client = catalog if isinstance(catalog, CatalogClient) else CatalogClient(catalog, token=token)
+        self.client: Catalog = as_catalog(catalog, token=token)
         self.hooks = hooks or Hooks()
         self.ttl_s = ttl_s
         self.expected_readers = expected_readers
+        self.drain_timeout_s = drain_timeout_s
+        self._published: list[torch.Tensor] = []  # deregistered on close from a shared transport
         self._owns_transport = transport is None
         if transport is None:
             from mx_refit.transport.nixl import NixlTransport
@@ -99,6 +112,40 @@ class Publisher:
             transport = NixlTransport(f"mx-pub-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.transport = transport
         self._heartbeat = Heartbeat(self._beat, ttl_s / 3, name=f"mx-refit-publisher[{self.source_id}]")
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: "WeightSyncConfig",
+        *,
+        mesh: MeshPosition | None,
+        expected_sources: int,
+        catalog: "str | Catalog | None" = None,
+        **overrides: Any,
+    ) -> "Publisher":
+        """A publisher for ``cfg.model_name`` with the config's TTL, drain timeout, plugin
+        allow-list and role overrides (``Hooks.configure`` receives the whole block).
+
+        :param catalog: Default: ``cfg.catalog.address`` (standalone, or an embedded catalog
+            started with ``start_catalog(config=cfg)``) with ``cfg.catalog.token``.
+        :param overrides: Any other constructor argument (they win over the config).
+        """
+        from mx_refit.config import as_dict
+
+        kwargs: dict[str, Any] = {
+            "mesh": mesh,
+            "expected_sources": expected_sources,
+            "token": cfg.catalog.token,
+            "ttl_s": cfg.source_ttl_s,
+            "drain_timeout_s": cfg.drain_timeout_s,
+        }
+        kwargs.update(overrides)
+        if kwargs.get("hooks") is None:
+            from mx_refit.plugins import Hooks
+
+            kwargs["hooks"] = Hooks(allow=cfg.plugins)
+        kwargs["hooks"].configure(as_dict(cfg))
+        return cls(_catalog_from_config(cfg, catalog), kwargs.pop("model", cfg.model_name), **kwargs)
 
     def _beat(self) -> None:
         self.client.heartbeat(source_ids=[self.source_id])
@@ -126,6 +173,8 @@ class Publisher:
         assert tensors is not None
         descriptors = tuple(describe(t) for t in tensors)
         self.transport.register_many([t.tensor for t in tensors])
+        if not self._owns_transport:
+            self._published = [t.tensor for t in tensors]
         regions = sorted({self.transport.region_of(t.tensor) for t in tensors if t.tensor.numel()})
         source = SourceInfo(
             source_id=self.source_id,
@@ -152,16 +201,80 @@ class Publisher:
         log.info("published %s v%d from %s (%d tensors)", self.model, version, self.source_id, len(descriptors))
         return state
 
-    def wait_drained(self, version: int, timeout_s: float = 120.0) -> None:
+    def wait_ready(self, version: int, timeout_s: float = 120.0) -> None:
+        """Wait until ``version`` is READY: every expected source has published it.
+
+        :raises TimeoutError: naming the model, the version and what the catalog last said.
+        :raises FailedPrecondition: when the version will never be READY again (a source died,
+            or it was retired).
+        """
+        wait = Backoff(timeout_s)
+        while True:
+            summary = self._summary(version)
+            state = summary.state if summary is not None else None
+            if state == VersionState.READY:
+                return
+            if state in (VersionState.EXPIRED, VersionState.DRAINING, VersionState.RETIRED):
+                raise FailedPrecondition(
+                    f"version {version} of {self.model!r} is {state.value}; it will not become READY"
+                )
+            if not wait.sleep():
+                seen = (
+                    f"{summary.state.value}, {summary.ready_sources}/{summary.expected_sources} sources ready"
+                    if summary is not None else "not registered"
+                )
+                raise TimeoutError(
+                    f"version {version} of {self.model!r} not READY after {timeout_s:g}s ({seen})"
+                )
+
+    def wait_drained(self, version: int, timeout_s: float | None = None) -> None:
         """Stop new readers of ``version`` and wait until live leases end (released or expired).
 
-        Call it before the trainer mutates the published buffers.
+        Call it before the trainer mutates the published buffers. Fires
+        ``mx_refit_version_retired`` once the catalog retired it and ``mx_refit_version_drained``
+        once it is drained.
+
+        :param timeout_s: Default: ``drain_timeout_s``.
         """
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
         self.client.retire_version(model=self.model, version=version)
+        self.hooks.version_retired(self.model, version)
         if not self.client.wait_drained(model=self.model, version=version, timeout_s=timeout_s):
             raise TimeoutError(
-                f"version {version} of {self.model!r} still has live reader leases after {timeout_s:.0f}s"
+                f"version {version} of {self.model!r} still has live reader leases after {timeout_s:g}s"
             )
+        self.hooks.version_drained(self.model, version)
+
+    def wait_retired(self, version: int, timeout_s: float | None = None) -> None:
+        """Wait, without retiring it, until another process (another rank's
+        :meth:`wait_drained`, a controller, ``mx-refit`` tooling) has retired ``version`` and it
+        is drained, so this rank may mutate its published buffers too.
+
+        :param timeout_s: Default: ``drain_timeout_s``.
+        :raises TimeoutError: naming the model, the version and its last state.
+        """
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        wait = Backoff(timeout_s)
+        while True:
+            summary = self._summary(version)
+            if summary is not None and summary.state in (VersionState.RETIRED, VersionState.EXPIRED):
+                break
+            if summary is not None and summary.state == VersionState.DRAINING:
+                # Retired: the catalog's own wait is exact (it wakes on the last release).
+                remaining = max(0.0, wait.deadline - time.monotonic())
+                if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining):
+                    break
+            if not wait.sleep():
+                state = summary.state.value if summary is not None else "forgotten or never registered"
+                raise TimeoutError(f"version {version} of {self.model!r} not retired after {timeout_s:g}s ({state})")
+        self.hooks.version_drained(self.model, version)
+
+    def _summary(self, version: int) -> "VersionSummary | None":
+        try:
+            versions = self.client.list_versions(model=self.model)
+        except NotFound:
+            return None
+        return next((v for v in versions if v.version == version), None)
 
     def wait_read(self, version: int, timeout_s: float = 120.0) -> None:
         """Wait until every expected reader completed a read of ``version``, then retire it and
@@ -181,12 +294,31 @@ class Publisher:
         self.wait_drained(version, timeout_s=max(deadline - time.monotonic(), 0.0))
 
     def close(self) -> None:
+        """Stop heartbeating (the catalog expires this source after its TTL) and release the
+        transport: closed when this publisher made it, else this publisher's tensors are
+        deregistered from it."""
         self._heartbeat.stop()
         if self._owns_transport:
             self.transport.close()
+        else:
+            for tensor in self._published:
+                self.transport.deregister(tensor)
+            self._published = []
 
     def __enter__(self) -> "Publisher":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _catalog_from_config(cfg: "WeightSyncConfig", catalog: "str | Catalog | None") -> "str | Catalog":
+    """The catalog argument of ``from_config``: the caller's, else the config's address."""
+    if catalog is not None:
+        return catalog
+    if cfg.catalog.address:
+        return cfg.catalog.address
+    raise InvalidArgument(
+        "weight_sync.catalog.address: None; with catalog.mode 'embedded' start the catalog first "
+        "(mx_refit.start_catalog(config=cfg) fills it in) or pass catalog=..."
+    )

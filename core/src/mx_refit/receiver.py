@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mx_refit._backoff import Backoff
 from mx_refit._heartbeat import Heartbeat
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, TransferError
 from mx_refit.types import RefitStats, SourceInfo, TargetLayout, VersionInfo
@@ -18,7 +19,8 @@ from mx_refit.types import RefitStats, SourceInfo, TargetLayout, VersionInfo
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from mx_refit.catalog.client import CatalogClient
+    from mx_refit.catalog.api import Catalog
+    from mx_refit.config import WeightSyncConfig
     from mx_refit.plan import ReceivePlan
     from mx_refit.plugins import Hooks
     from mx_refit.transport.nixl import NixlTransport
@@ -42,16 +44,21 @@ class RefitResult:
 class Receiver:
     """One inference worker's receiving endpoint.
 
-    :param catalog: Catalog address (``host:port``) or a :class:`CatalogClient`.
+    :param catalog: Catalog address (``host:port``) or any object satisfying the
+        :class:`~mx_refit.catalog.api.Catalog` protocol (a ``CatalogClient``, an in-process
+        ``CatalogService``, ...).
     :param target: The layout this worker needs; ``None`` asks the plugins (from ``engine``).
     :param engine: Optional engine object; when given, received tensors are loaded into it through
         the ``mx_refit_load_weights`` hook in batches of at most ``load_batch_bytes``.
     :param device: Where the receive arena lives (``"cpu"`` or ``"cuda:N"``).
+    :param transport: The transport to pull with; ``None`` makes one for this receiver (closed
+        with it). Pass :func:`mx_refit.shared_transport` to share the process's one agent
+        between receivers of several models (and publishers).
     """
 
     def __init__(
         self,
-        catalog: "str | CatalogClient",
+        catalog: "str | Catalog",
         model: str,
         *,
         target: TargetLayout | None = None,
@@ -65,11 +72,11 @@ class Receiver:
         transfer_timeout_s: float = 120.0,
         load_batch_bytes: int = 512 << 20,
     ) -> None:
-        from mx_refit.catalog.client import CatalogClient
+        from mx_refit.catalog.api import as_catalog
         from mx_refit.plugins import Hooks
 
         self.model = model
-        self.client = catalog if isinstance(catalog, CatalogClient) else CatalogClient(catalog, token=token)
+        self.client: Catalog = as_catalog(catalog, token=token)
         self.hooks = hooks or Hooks()
         self.engine = engine
         self.target = target or self.hooks.target_layout(engine)
@@ -88,22 +95,63 @@ class Receiver:
         self._locations: dict[str, tuple[str, int]] = {}  # source_id -> (NIXL memory type, device)
         self._cached_plan: "tuple[int, ReceivePlan, dict[str, list[tuple[int, int, int]]]] | None" = None
 
+    @classmethod
+    def from_config(
+        cls,
+        cfg: "WeightSyncConfig",
+        *,
+        target: TargetLayout | None = None,
+        engine: Any = None,
+        device: str = "cpu",
+        catalog: "str | Catalog | None" = None,
+        **overrides: Any,
+    ) -> "Receiver":
+        """A receiver for ``cfg.model_name`` with the config's lease TTL, transfer timeout,
+        ``full_tensors``, plugin allow-list and role overrides (``Hooks.configure`` receives the
+        whole block).
+
+        :param target: Default: the plugins' layout for ``engine`` with ``full_tensors`` from the
+            config; an explicit target is used as given.
+        :param catalog: Default: ``cfg.catalog.address`` with ``cfg.catalog.token``.
+        :param overrides: Any other constructor argument (they win over the config).
+        """
+        import dataclasses
+
+        from mx_refit.config import as_dict
+        from mx_refit.publisher import _catalog_from_config
+
+        kwargs: dict[str, Any] = {
+            "token": cfg.catalog.token,
+            "lease_ttl_s": cfg.lease_ttl_s,
+            "transfer_timeout_s": cfg.transfer_timeout_s,
+        }
+        kwargs.update(overrides)
+        if kwargs.get("hooks") is None:
+            from mx_refit.plugins import Hooks
+
+            kwargs["hooks"] = Hooks(allow=cfg.plugins)
+        hooks = kwargs["hooks"]
+        hooks.configure(as_dict(cfg))
+        if target is None:
+            target = dataclasses.replace(hooks.target_layout(engine), full_tensors=cfg.full_tensors)
+        return cls(
+            _catalog_from_config(cfg, catalog), kwargs.pop("model", cfg.model_name),
+            target=target, engine=engine, device=device, **kwargs,
+        )
+
     # -- discovery ----------------------------------------------------------------------------
     def discover(self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0) -> VersionInfo:
         """The exact READY ``version``, or the newest READY one >= ``min_version``.
 
         With ``wait_s`` > 0, keeps asking until one appears or the time runs out.
         """
-        deadline = time.monotonic() + wait_s
-        delay = 0.02
+        wait = Backoff(wait_s)
         while True:
             try:
                 return self.client.get_version(model=self.model, version=version, min_version=min_version)
             except (NotFound, FailedPrecondition):
-                if time.monotonic() + delay > deadline:
+                if not wait.sleep():
                     raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
 
     # -- the refit cycle ------------------------------------------------------------------------
     def refit(
@@ -117,8 +165,25 @@ class Receiver:
         :param notify: fire ``mx_refit_refit_done`` at the end. Engines that load the returned
             tensors themselves pass ``False`` and call ``hooks.refit_done(result.stats)`` once
             their load finished.
+
+        On any error ``mx_refit_refit_failed`` fires (with the version, when one was found)
+        before the error is re-raised.
         """
+        attempt: list[int] = []  # the version being refitted, once discovered
+        try:
+            return self._refit(attempt, version, min_version, wait_s, notify)
+        except Exception as exc:
+            try:
+                self.hooks.refit_failed(self.model, attempt[0] if attempt else version, exc)
+            except Exception:  # a failing observer must not hide the refit's own error
+                log.exception("mx_refit_refit_failed hook raised")
+            raise
+
+    def _refit(
+        self, attempt: list[int], version: int | None, min_version: int, wait_s: float, notify: bool
+    ) -> RefitResult:
         info = self.discover(version, min_version=min_version, wait_s=wait_s)
+        attempt.append(info.version)
         planned = time.perf_counter()
         plan, requests = self._plan(info)
         plan_seconds = time.perf_counter() - planned
@@ -257,8 +322,12 @@ class Receiver:
         return moved
 
     def close(self) -> None:
+        """Release the transport: closed when this receiver made it, else only the arena is
+        deregistered from it."""
         if self._owns_transport:
             self.transport.close()
+        elif self._arena is not None:
+            self.transport.deregister(self._arena)
         self._arena = None
 
     def __enter__(self) -> "Receiver":

@@ -33,7 +33,9 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_PORT",
     "CatalogServer",
+    "routable_host",
     "serve_forever",
+    "start_catalog",
     "start_embedded",
 ]
 
@@ -41,6 +43,27 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50551
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_ANY_HOST = ("0.0.0.0", "::", "[::]", "")
+
+
+def routable_host() -> str:
+    """An address of this machine that other machines can dial: the source address of the
+    default route (found without sending a packet), else the host name's address, else
+    loopback."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.255.255.255", 1))  # UDP connect only picks a route
+            address = probe.getsockname()[0]
+            if address and not address.startswith("0."):
+                return str(address)
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def format_address(host: str, port: int) -> str:
@@ -80,8 +103,10 @@ class _BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 class CatalogServer:
     """A gRPC catalog server around a :class:`CatalogService`.
 
-    :param host: interface to bind; loopback by default.
+    :param host: interface to bind; loopback by default, ``0.0.0.0`` for every interface.
     :param port: TCP port; 0 picks a free one (read it back from :attr:`address`).
+    :param advertise_host: the host name or address :attr:`address` gives to clients; by default
+        the bind host, or :func:`routable_host` when binding every interface.
     :param token: when set, every call must carry ``authorization: Bearer <token>``.
     :param max_message_bytes: largest request/reply (manifests of ~1M descriptors must fit).
     :param service: the state machine to serve (a fresh one by default; tests inject one with
@@ -101,10 +126,12 @@ class CatalogServer:
         service: CatalogService | None = None,
         reap_interval_s: float = 1.0,
         max_workers: int = 256,
+        advertise_host: str | None = None,
     ) -> None:
         if reap_interval_s <= 0:
             raise InvalidArgument(f"reap_interval_s: {reap_interval_s} must be > 0")
         self.host = host
+        self.advertise_host = advertise_host or (routable_host() if host in _ANY_HOST else host)
         self.service = service if service is not None else CatalogService()
         self._port = port
         self._token = check_token(token)
@@ -118,8 +145,8 @@ class CatalogServer:
 
     @property
     def address(self) -> str:
-        """``host:port`` clients connect to (the real port once started)."""
-        return format_address(self.host, self._port)
+        """``host:port`` clients connect to: the advertised host and the real port once started."""
+        return format_address(self.advertise_host, self._port)
 
     @property
     def port(self) -> int:
@@ -154,7 +181,7 @@ class CatalogServer:
             catalog_pb2_grpc.add_CatalogServiceServicer_to_server(  # type: ignore[no-untyped-call]
                 CatalogServicer(self.service, stopping=self._stopping), server
             )
-            wanted = format_address(self.host, self._port)
+            wanted = format_address(self.host or "0.0.0.0", self._port)
             try:
                 port = server.add_insecure_port(wanted)
             except RuntimeError as exc:
@@ -230,6 +257,40 @@ def start_embedded(token: str | None = None, **kwargs: Any) -> CatalogServer:
     ``kwargs`` go to :class:`CatalogServer` (e.g. ``service=``). Stop it with ``.stop()``.
     """
     return CatalogServer(host="127.0.0.1", port=0, token=token, **kwargs).start()
+
+
+def start_catalog(
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    advertise_host: str | None = None,
+    token: str | None = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> CatalogServer:
+    """Start the embedded catalog in this process; returns it running (``.address``, ``.stop()``).
+
+    :param host: interface to bind (default ``127.0.0.1``; ``0.0.0.0`` serves other machines).
+    :param port: 0 (the default) picks a free port.
+    :param advertise_host: what ``.address`` tells clients to dial; by default the bind host, or
+        a routable address of this machine when binding every interface.
+    :param token: when set, every call must carry it.
+    :param config: a :class:`~mx_refit.config.WeightSyncConfig`: ``catalog.host``, ``port``,
+        ``advertise_host`` and ``token`` fill in what is not passed, and ``catalog.address`` is
+        set to the started server's address, so the same config can be handed to every rank.
+    ``kwargs`` go to :class:`CatalogServer`.
+    """
+    section = getattr(config, "catalog", None)
+    server = CatalogServer(
+        host=host if host is not None else getattr(section, "host", "127.0.0.1"),
+        port=port if port is not None else getattr(section, "port", 0),
+        token=token if token is not None else getattr(section, "token", None),
+        advertise_host=advertise_host or getattr(section, "advertise_host", None),
+        **kwargs,
+    ).start()
+    if section is not None:
+        section.address = server.address
+    return server
 
 
 def serve_forever(

@@ -2,10 +2,17 @@
 
 Importing this package is cheap: neither nixl nor torch is imported until a transport is created
 (``NixlTransport`` is resolved lazily on first attribute access).
+
+:func:`shared_transport` is the documented process-wide factory: every Publisher and Receiver
+handed its result shares one agent (one set of registrations, one connection per peer).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.ranges import (
@@ -32,10 +39,40 @@ __all__ = [
     "TransferStats",
     "coalesce",
     "plan_row_slice",
+    "shared_transport",
     "total_bytes",
 ]
 
 _LAZY = {"NixlTransport", "TransferStats"}
+
+_shared: "tuple[int, NixlTransport] | None" = None  # (pid that made it, transport)
+_shared_lock = threading.Lock()
+
+
+def shared_transport() -> "NixlTransport":
+    """This process's shared transport, created on first call (one NIXL agent per process).
+
+    Hand it to every ``Publisher``/``Receiver`` of the process (``transport=shared_transport()``):
+    they then share registrations and peer connections, and none of them closes it; it is closed
+    at interpreter exit. A forked child gets its own. This factory is also the seam where other
+    data paths (CUDA IPC between processes of one node) plug in behind the same interface.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():
+            from mx_refit.transport.nixl import NixlTransport
+
+            transport = NixlTransport(f"mx-shared-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            _shared = (os.getpid(), transport)
+            atexit.register(_close_shared, transport)
+        return _shared[1]
+
+
+def _close_shared(transport: "NixlTransport") -> None:
+    try:
+        transport.close()
+    except Exception:  # interpreter exit: nothing left to report to
+        pass
 
 
 def __getattr__(name: str) -> Any:
