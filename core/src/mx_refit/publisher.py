@@ -88,7 +88,7 @@ class Publisher:
         expected_readers: int = 0,
         drain_timeout_s: float = 120.0,
     ) -> None:
-        from mx_refit.catalog.api import as_catalog
+        from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
 
         self.model = model
@@ -100,6 +100,7 @@ class Publisher:
             f"{model}/tp{self.mesh.tp_rank}-pp{self.mesh.pp_rank}-ep{self.mesh.ep_rank}"
         )
         self.client: Catalog = as_catalog(catalog, token=token)
+        self._owns_client = isinstance(catalog, str)  # made here from an address: closed here
         self.hooks = hooks or Hooks()
         self.ttl_s = ttl_s
         self.expected_readers = expected_readers
@@ -294,9 +295,9 @@ class Publisher:
         self.wait_drained(version, timeout_s=max(deadline - time.monotonic(), 0.0))
 
     def close(self) -> None:
-        """Stop heartbeating (the catalog expires this source after its TTL) and release the
-        transport: closed when this publisher made it, else this publisher's tensors are
-        deregistered from it."""
+        """Stop heartbeating (the catalog expires this source after its TTL) and release what
+        this publisher made: its transport (from a given one only its tensors are deregistered)
+        and the catalog client it dialled."""
         self._heartbeat.stop()
         if self._owns_transport:
             self.transport.close()
@@ -304,6 +305,8 @@ class Publisher:
             for tensor in self._published:
                 self.transport.deregister(tensor)
             self._published = []
+        if self._owns_client:
+            self.client.close()  # type: ignore[attr-defined]  # a CatalogClient
 
     def __enter__(self) -> "Publisher":
         return self

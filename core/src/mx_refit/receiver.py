@@ -72,11 +72,12 @@ class Receiver:
         transfer_timeout_s: float = 120.0,
         load_batch_bytes: int = 512 << 20,
     ) -> None:
-        from mx_refit.catalog.api import as_catalog
+        from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
 
         self.model = model
         self.client: Catalog = as_catalog(catalog, token=token)
+        self._owns_client = isinstance(catalog, str)  # made here from an address: closed here
         self.hooks = hooks or Hooks()
         self.engine = engine
         self.target = target or self.hooks.target_layout(engine)
@@ -322,13 +323,15 @@ class Receiver:
         return moved
 
     def close(self) -> None:
-        """Release the transport: closed when this receiver made it, else only the arena is
-        deregistered from it."""
+        """Release what this receiver made: its transport (from a given one only the arena is
+        deregistered) and the catalog client it dialled."""
         if self._owns_transport:
             self.transport.close()
         elif self._arena is not None:
             self.transport.deregister(self._arena)
         self._arena = None
+        if self._owns_client:
+            self.client.close()  # type: ignore[attr-defined]  # a CatalogClient
 
     def __enter__(self) -> "Receiver":
         return self

@@ -4,7 +4,8 @@ Re-exports only, resolved lazily: ``import mx_refit.catalog`` imports neither gr
 protobuf; they load when the server, servicer or client is first touched.
 
 * :class:`CatalogService` — the transport-agnostic state machine (embeddable, thread-safe).
-* :class:`CatalogServer`, :func:`start_embedded`, :func:`serve_forever` — serve it over gRPC.
+* :class:`CatalogServer`, :func:`start_catalog`, :func:`start_embedded`, :func:`serve_forever` —
+  serve it over gRPC.
 * :class:`CatalogClient` — the typed remote client (same methods, same errors).
 * :class:`Catalog` — the protocol both the service and the client satisfy.
 """
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.api import DEFAULT_TTL_S, Catalog, ReadProgress, VersionSummary
     from mx_refit.catalog.client import CatalogClient
-    from mx_refit.catalog.server import CatalogServer, serve_forever, start_embedded
+    from mx_refit.catalog.connect import as_catalog
+    from mx_refit.catalog.server import CatalogServer, serve_forever, start_catalog, start_embedded
     from mx_refit.catalog.service import CatalogService, ReapReport
     from mx_refit.catalog.validation import CatalogLimits
 
@@ -31,7 +33,9 @@ __all__ = [
     "ReadProgress",
     "ReapReport",
     "VersionSummary",
+    "as_catalog",
     "serve_forever",
+    "start_catalog",
     "start_embedded",
 ]
 
@@ -46,6 +50,8 @@ _WHERE = {
     "CatalogServer": "server",
     "serve_forever": "server",
     "start_embedded": "server",
+    "start_catalog": "server",
+    "as_catalog": "connect",
     "CatalogClient": "client",
 }
 

@@ -1,7 +1,7 @@
 """The catalog's public surface shared by the embedded service and the remote client.
 
-``Catalog`` is the protocol the publisher and the receiver program against (:func:`as_catalog`
-turns what a caller hands them into one): both
+``Catalog`` is the protocol the publisher and the receiver program against
+(:func:`mx_refit.catalog.connect.as_catalog` turns what a caller hands them into one): both
 :class:`~mx_refit.catalog.service.CatalogService` (in-process) and
 :class:`~mx_refit.catalog.client.CatalogClient` (over gRPC) satisfy it, with the same
 arguments, return types and :mod:`mx_refit.errors` exceptions. No grpc import here.
@@ -13,10 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from mx_refit.errors import InvalidArgument
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "ReadProgress", "VersionSummary", "as_catalog"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "ReadProgress", "VersionSummary"]
 
 # Default TTL of sources and leases; heartbeat at a third of it or more often.
 DEFAULT_TTL_S = 30.0
@@ -125,26 +124,3 @@ class Catalog(Protocol):
     def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:
         """Wait until every expected reader completed a read of ``version`` (bounded)."""
         ...
-
-def as_catalog(catalog: "str | Catalog", *, token: str | None = None) -> Catalog:
-    """The catalog a publisher or receiver talks to.
-
-    :param catalog: An address ``"host:port"`` (a gRPC :class:`~mx_refit.catalog.client.CatalogClient`
-        is made for it, with ``token``), or any object satisfying :class:`Catalog`: a
-        ``CatalogClient``, an in-process :class:`~mx_refit.catalog.service.CatalogService`, a
-        framework's own adapter. Such an object is used as given (``token`` is its business).
-    """
-    if isinstance(catalog, str):
-        from mx_refit.catalog.client import CatalogClient
-
-        return CatalogClient(catalog, token=token)
-    if isinstance(catalog, Catalog):
-        return catalog
-    missing = sorted(
-        name for name in dir(Catalog) if not name.startswith("_") and not callable(getattr(catalog, name, None))
-    )
-    hint = "; for a started server pass its .address" if hasattr(catalog, "address") else ""
-    raise InvalidArgument(
-        f"catalog: a {type(catalog).__module__}.{type(catalog).__qualname__} is neither an address "
-        f"'host:port' nor a Catalog (it lacks {missing}){hint}"
-    )

@@ -22,13 +22,13 @@ import logging
 import os
 import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+import mx_refit
 from mx_refit.errors import MxRefitError, NotFound, Unavailable
 from mx_refit.types import RefitStats, TargetLayout
 from mx_refit_vllm.infos import MxInitInfo, MxUpdateInfo
@@ -38,10 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    from mx_refit.catalog.client import CatalogClient
-    from mx_refit.plugins import Hooks
-    from mx_refit.receiver import Receiver
-    from mx_refit.transport.nixl import NixlTransport
+    from mx_refit import Catalog, Hooks, Receiver
 
 __all__ = ["MxWeightTransferEngine"]
 
@@ -84,8 +81,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
     """vLLM ``WeightTransferEngine`` backend ``"mx"``: pulls published versions over NIXL.
 
     Created by vLLM (``WeightTransferEngineFactory.create_engine``) after the model loads, one
-    per worker. Holds one NIXL agent and one receive arena per catalog model for its lifetime, so
-    cycle 2 onward registers no new memory.
+    per worker. Uses the worker process's shared transport (``mx_refit.shared_transport()``, one
+    NIXL agent) and one receiver with its receive arena per catalog model, so cycle 2 onward
+    registers no new memory.
     """
 
     init_info_cls = MxInitInfo
@@ -101,8 +99,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.init_info: MxInitInfo | None = None
         self.layout: TargetLayout | None = None
-        self._client: CatalogClient | None = None
-        self._transport: NixlTransport | None = None
+        self._catalog: Catalog | None = None  # the first receiver's client, shared by the others
+        self._transport: Any = None  # mx_refit.shared_transport(), once a receiver exists
         self._hooks: Hooks | None = None
         self._receivers: dict[str, Receiver] = {}
         self._session: _Session | None = None
@@ -119,25 +117,21 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         """
         if self._session is not None:
             raise RuntimeError("init_transfer_engine called during a weight update; finish it first")
-        from mx_refit.catalog.client import CatalogClient
-
         self.shutdown()
         self._coords = worker_coordinates(self.parallel_config)
         self.layout = target_layout(self.parallel_config)
-        client = CatalogClient(init_info.catalog, token=init_info.token)
+        self.init_info = init_info
+        receiver = self._receiver(init_info.model)  # dials the catalog; later models share it
         try:
             # A cheap, read-only call proves reachability and the token now, not mid-update.
-            client.list_versions(init_info.model)
+            receiver.client.list_versions(init_info.model)
         except NotFound:
             pass  # reachable; nothing published under this name yet
-        except Unavailable as exc:
-            client.close()
-            raise Unavailable(f"mx: catalog unreachable at {init_info.catalog}: {exc}") from exc
-        except BaseException:
-            client.close()
+        except BaseException as exc:
+            self.shutdown()
+            if isinstance(exc, Unavailable):
+                raise Unavailable(f"mx: catalog unreachable at {init_info.catalog}: {exc}") from exc
             raise
-        self._client = client
-        self.init_info = init_info
         log.info(
             "mx engine ready: catalog %s, model %r, layout tp %d/%d ep %d/%d",
             init_info.catalog,
@@ -251,13 +245,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             self._abort_session()
         receivers, self._receivers = self._receivers, {}
         for receiver in receivers.values():
-            receiver.close()
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+            receiver.close()  # deregisters its arena; the first one also closes the catalog client
+        self._catalog = None
+        self._transport = None  # the process's shared agent stays for the next init
         self.init_info = None
 
     # -- internals --------------------------------------------------------------------------
@@ -272,7 +262,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         return dict(self._receivers)
 
     def _require_init(self) -> MxInitInfo:
-        if self.init_info is None or self._client is None:
+        if self.init_info is None or self._catalog is None:
             raise RuntimeError("mx weight transfer not initialised: call init_weight_transfer_engine first")
         return self.init_info
 
@@ -291,33 +281,29 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         receiver = self._receivers.get(model_name)
         if receiver is not None:
             return receiver
-        from mx_refit.plugins import Hooks
-        from mx_refit.receiver import Receiver
-        from mx_refit.transport.nixl import NixlTransport
-
-        init = self._require_init()
+        init = self.init_info
+        assert init is not None
         c = self._coords
         tag = f"dp{c.get('dp_index', 0)}-pp{c.get('pp_rank', 0)}-tp{c.get('tp_rank', 0)}"
-        if self._transport is None:
-            # One NIXL agent per worker process, shared by every model it receives.
-            # The suffix keeps agent names unique across re-initialisations of this worker.
-            self._transport = NixlTransport(
-                f"mx-vllm-{socket.gethostname()}-{os.getpid()}-{tag}-{uuid.uuid4().hex[:6]}"
-            )
+        # One NIXL agent per worker process, shared by every model it receives.
+        self._transport = mx_refit.shared_transport()
         if self._hooks is None:
-            self._hooks = Hooks()
-        receiver = Receiver(
-            self._client,  # type: ignore[arg-type]
+            self._hooks = mx_refit.Hooks()
+        receiver = mx_refit.Receiver(
+            self._catalog or init.catalog,
             model_name,
             target=self.layout,
             device=init.arena_device or str(self.device),
             reader_id=f"vllm:{socket.gethostname()}:{os.getpid()}:{tag}",
+            token=init.token,
             transport=self._transport,
             hooks=self._hooks,
             lease_ttl_s=init.lease_ttl_s,
             transfer_timeout_s=init.transfer_timeout_s,
             load_batch_bytes=init.load_batch_bytes,
         )
+        if self._catalog is None:
+            self._catalog = receiver.client
         self._receivers[model_name] = receiver
         return receiver
 

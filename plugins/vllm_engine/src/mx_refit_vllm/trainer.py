@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -39,20 +38,18 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
-from mx_refit.types import MeshPosition, PublishedTensor, Role, VersionState
+import mx_refit
+from mx_refit.errors import InvalidArgument
+from mx_refit.types import MeshPosition, PublishedTensor, Role
 from mx_refit_vllm import BACKEND, register
 from mx_refit_vllm.infos import MxInitInfo, MxUpdateInfo
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mx_refit.catalog.client import CatalogClient
-    from mx_refit.publisher import Publisher
+    from mx_refit import Catalog, Publisher
 
 __all__ = ["MxTrainerInitInfo", "MxTrainerWeightTransferEngine", "local_piece"]
 
 log = logging.getLogger(__name__)
-
-_DONE_STATES = (VersionState.DRAINING, VersionState.RETIRED, VersionState.EXPIRED)
 
 
 @dataclass
@@ -183,12 +180,11 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
         source: WeightSource,
         info: MxTrainerInitInfo,
         publisher: Publisher,
-        catalog: CatalogClient,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=info.is_sender, rank=info.rank)
         self.info = info
         self.publisher = publisher
-        self.catalog = catalog
+        self.catalog: Catalog = publisher.client
         self.next_version = info.first_version
         # Copies for pieces that cannot be published in place (non-contiguous, other dtype,
         # gathered by iter_full): allocated once, registered once, refreshed every round.
@@ -207,19 +203,17 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             raise ValueError("the mx trainer engine publishes a WeightSource; pass source=...")
         if not (source.implements_iter_local() or source.implements_iter_full()):
             raise TypeError(f"{type(source).__name__} implements neither iter_local() nor iter_full()")
-        from mx_refit.catalog.client import CatalogClient
-        from mx_refit.publisher import Publisher
-
-        catalog = CatalogClient(init_info.catalog, token=init_info.token)
-        publisher = Publisher(
-            catalog,
+        publisher = mx_refit.Publisher(
+            init_info.catalog,
             init_info.model,
+            token=init_info.token,
             mesh=MeshPosition(tp_rank=init_info.rank, tp_size=init_info.world_size),
             expected_sources=init_info.world_size,
             source_id=f"{init_info.model}/trainer-rank{init_info.rank}",
             ttl_s=init_info.source_ttl_s,
+            drain_timeout_s=init_info.drain_timeout_s,
         )
-        engine = cls(client=client, source=source, info=init_info, publisher=publisher, catalog=catalog)
+        engine = cls(client=client, source=source, info=init_info, publisher=publisher)
         if engine.is_sender:
             client.init_weight_transfer_engine(init_info.worker_init_info().to_dict())
         return engine
@@ -233,7 +227,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
         self.publisher.publish(v, pieces)
         if self.is_sender:
             try:
-                self._wait_ready(v)
+                self.publisher.wait_ready(v, timeout_s=self.info.ready_timeout_s)
                 self.client.start_weight_update()
                 # A plain dict: it travels as JSON over HTTP, Ray or Dynamo's engine routes.
                 self.client.update_weights(MxUpdateInfo(version=v).to_dict())
@@ -247,7 +241,10 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
                 raise
             self.publisher.wait_drained(v, timeout_s=self.info.drain_timeout_s)
         else:
-            self._wait_retired(v)
+            # Covers rank 0's whole round: READY wait, the workers' pull and load, then the drain.
+            self.publisher.wait_retired(
+                v, timeout_s=self.info.ready_timeout_s + self.info.update_timeout_s + self.info.drain_timeout_s
+            )
         self.next_version = v + 1
 
     def _collect(self) -> list[PublishedTensor]:
@@ -306,49 +303,9 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
         buf.copy_(tensor)
         return buf
 
-    def _wait_ready(self, version: int) -> None:
-        deadline = time.monotonic() + self.info.ready_timeout_s
-        delay = 0.01
-        while True:
-            try:
-                self.catalog.get_version(self.info.model, version)
-                return
-            except (NotFound, FailedPrecondition) as exc:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"version {version} of {self.info.model!r} is not READY after "
-                        f"{self.info.ready_timeout_s:.0f}s (are all {self.info.world_size} ranks calling "
-                        f"send_weights?): {exc}"
-                    ) from exc
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
-
-    def _wait_retired(self, version: int) -> None:
-        """Non-senders: wait until rank 0 retired ``version`` and no reader holds it."""
-        # Covers rank 0's whole round: READY wait, the workers' pull and load, then the drain.
-        deadline = (
-            time.monotonic()
-            + self.info.ready_timeout_s
-            + self.info.update_timeout_s
-            + self.info.drain_timeout_s
-        )
-        delay = 0.01
-        while True:
-            states = {s.version: s.state for s in self.catalog.list_versions(self.info.model)}
-            if states.get(version) in _DONE_STATES:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"version {version} of {self.info.model!r} was never retired by rank 0")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
-        remaining = max(deadline - time.monotonic(), 1.0)
-        if not self.catalog.wait_drained(self.info.model, version, remaining):
-            raise TimeoutError(f"version {version} of {self.info.model!r} still has readers")
-
     def shutdown(self) -> None:
         """Stop heartbeats and release this rank's NIXL agent and registrations."""
-        self.publisher.close()
-        self.catalog.close()
+        self.publisher.close()  # also closes the catalog client it dialled
         self._staging.clear()
 
 
