@@ -45,6 +45,7 @@ def test_publishing_from_megatron_core_runs_as_written(tmp_path):
         server.stop(0)
     assert states == [(step, "RETIRED") for step in range(steps)]  # every version drained
     assert result["tasks_kept"]  # Bridge's tasks computed once, kept on the public field
+    assert (result["handed_state"], result["handed_task_calls"]) == ("READY", 0)  # handed-over tasks reused
     seen = result["seen"]
     assert sorted(seen) == list(range(steps))
     for step in range(steps):

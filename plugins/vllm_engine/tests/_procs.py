@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+# A shared, overloaded machine starts vLLM workers slowly: MX_TEST_TIMEOUT_SCALE=3 triples every
+# wait on a worker (CI runs with 1).
+TIMEOUT_SCALE = float(os.environ.get("MX_TEST_TIMEOUT_SCALE", "1"))
 
 
 def free_port() -> int:
@@ -52,6 +55,7 @@ class Child:
         env: dict[str, str] | None = None,
         start_timeout_s: float = 300.0,
     ) -> None:
+        start_timeout_s *= TIMEOUT_SCALE
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         authkey = secrets.token_bytes(16)
@@ -91,6 +95,7 @@ class Child:
         self.conn.send((cmd, arg))
 
     def recv(self, timeout_s: float = 300.0) -> Any:
+        timeout_s *= TIMEOUT_SCALE
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.2):
             if self.proc.poll() is not None:
