@@ -72,6 +72,7 @@ class WeightSyncConfig:
     source_ttl_s: float = 30.0
     drain_timeout_s: float = 120.0
     full_tensors: bool = True
+    transport: str = "auto"  # auto | nixl | cuda_ipc (see README, "Data paths")
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
     role_overrides: list[RoleOverrideConfig] = field(default_factory=list)
     # weight_sync.<plugin>: {...} namespaces, untouched by mx-refit, for their plugins
@@ -98,6 +99,8 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
     for key in ("transfer_timeout_s", "lease_ttl_s", "source_ttl_s", "drain_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise InvalidArgument(f"weight_sync.{key}: {getattr(cfg, key)} must be > 0")
+    if cfg.transport not in ("auto", "nixl", "cuda_ipc"):
+        raise InvalidArgument(f"weight_sync.transport: {cfg.transport!r} (expected 'auto', 'nixl' or 'cuda_ipc')")
     roles = {r.value for r in Role}
     for i, rule in enumerate(cfg.role_overrides):
         if rule.role not in roles:

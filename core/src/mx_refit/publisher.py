@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.api import Catalog, VersionSummary
     from mx_refit.config import WeightSyncConfig
     from mx_refit.plugins import Hooks
+    from mx_refit.transport.base import Transport
     from mx_refit.transport.nixl import NixlTransport
 
 __all__ = ["Publisher", "describe"]
@@ -82,11 +83,12 @@ class Publisher:
         expected_sources: int = 1,
         source_id: str | None = None,
         token: str | None = None,
-        transport: "NixlTransport | None" = None,
+        transport: "Transport | NixlTransport | None" = None,
         hooks: "Hooks | None" = None,
         ttl_s: float = 30.0,
         expected_readers: int = 0,
         drain_timeout_s: float = 120.0,
+        transport_mode: str = "auto",
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
@@ -106,12 +108,10 @@ class Publisher:
         self.expected_readers = expected_readers
         self.drain_timeout_s = drain_timeout_s
         self._published: list[torch.Tensor] = []  # deregistered on close from a shared transport
-        self._owns_transport = transport is None
-        if transport is None:
-            from mx_refit.transport.nixl import NixlTransport
-
-            transport = NixlTransport(f"mx-pub-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.transport = transport
+        self.transport = _routing(transport, transport_mode, f"mx-pub-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._owns_transport = self.transport is not transport  # ours (a given one stays open)
+        self._last_published: int | None = None
+        self._last_drained: int | None = None
         self._heartbeat = Heartbeat(self._beat, ttl_s / 3, name=f"mx-refit-publisher[{self.source_id}]")
 
     @classmethod
@@ -139,6 +139,7 @@ class Publisher:
             "token": cfg.catalog.token,
             "ttl_s": cfg.source_ttl_s,
             "drain_timeout_s": cfg.drain_timeout_s,
+            "transport_mode": cfg.transport,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -162,7 +163,10 @@ class Publisher:
         """Publish ``version``: from explicit ``tensors``, or collected from ``model`` by plugins.
 
         Registration is cached by the transport, so republishing the same buffers costs no new
-        NIXL registration. Returns the version's state after this rank marked ready.
+        NIXL registration and exports no new CUDA IPC handle. The buffers stay pinned (never
+        freed) until :meth:`release_buffers`. The tensors' bytes must be final: on CUDA,
+        synchronise the stream that wrote them first. Returns the version's state after this
+        rank marked ready.
         """
         if (tensors is None) == (model is None):
             raise InvalidArgument("publish: pass exactly one of tensors=... or model=...")
@@ -177,13 +181,15 @@ class Publisher:
         if not self._owns_transport:
             self._published = [t.tensor for t in tensors]
         regions = sorted({self.transport.region_of(t.tensor) for t in tensors if t.tensor.numel()})
+        agent_name, metadata, cuda_ipc = self.transport.describe(regions)
         source = SourceInfo(
             source_id=self.source_id,
             mesh=self.mesh,
-            agent_name=self.transport.agent_name,
-            agent_metadata=self.transport.metadata(),
+            agent_name=agent_name,
+            agent_metadata=metadata,
             tensors=descriptors,
             regions=tuple(regions),
+            cuda_ipc=cuda_ipc,
         )
         self.client.register_source(
             model=self.model,
@@ -195,6 +201,7 @@ class Publisher:
             expected_readers=self.expected_readers,
         )
         state = self.client.mark_ready(model=self.model, version=version, source_id=self.source_id)
+        self._last_published = version
         self._heartbeat.start()
         self.hooks.version_published(self.model, version, self.source_id, self.mesh)
         if state == VersionState.READY:
@@ -244,7 +251,30 @@ class Publisher:
             raise TimeoutError(
                 f"version {version} of {self.model!r} still has live reader leases after {timeout_s:g}s"
             )
+        self._last_drained = version
         self.hooks.version_drained(self.model, version)
+
+    def release_buffers(self) -> int:
+        """Unpin every published buffer (NIXL registrations and CUDA IPC exports), so the trainer
+        may offload, free or reallocate them; the next :meth:`publish` registers and exports the
+        buffers it is given then, and readers notice the new handles.
+
+        Only after the last published version drained (:meth:`wait_drained` or
+        :meth:`wait_read`): while a lease is live a reader may be copying from these bytes.
+        Returns the number of regions released.
+
+        :raises FailedPrecondition: the last published version has not drained.
+        """
+        if self._last_published is not None and self._last_drained != self._last_published:
+            raise FailedPrecondition(
+                f"release_buffers: version {self._last_published} of {self.model!r} has not drained; "
+                "call wait_drained(version) first"
+            )
+        if not self._owns_transport:  # a shared transport: only what this publisher registered
+            released = sum(self.transport.deregister(t) for t in self._published)
+            self._published = []
+            return released
+        return self.transport.deregister_all()
 
     def wait_retired(self, version: int, timeout_s: float | None = None) -> None:
         """Wait, without retiring it, until another process (another rank's
@@ -313,6 +343,18 @@ class Publisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _routing(transport: Any, mode: str, name: str) -> "Transport":
+    """The routing transport to use: a new one, the one given, or one wrapped around a given
+    NIXL transport (the wrapper is ours; the NIXL transport stays its owner's)."""
+    from mx_refit.transport.routing import RoutingTransport
+
+    if transport is None:
+        return RoutingTransport(mode, name=name)
+    if isinstance(transport, RoutingTransport):
+        return transport
+    return RoutingTransport(mode, nixl=transport)
 
 
 def _catalog_from_config(cfg: "WeightSyncConfig", catalog: "str | Catalog | None") -> "str | Catalog":

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.config import WeightSyncConfig
     from mx_refit.plan import ReceivePlan
     from mx_refit.plugins import Hooks
+    from mx_refit.transport.base import ReadReport, Transport
     from mx_refit.transport.nixl import NixlTransport
 
 __all__ = ["Receiver", "RefitResult"]
@@ -66,11 +67,12 @@ class Receiver:
         device: str = "cpu",
         reader_id: str | None = None,
         token: str | None = None,
-        transport: "NixlTransport | None" = None,
+        transport: "Transport | NixlTransport | None" = None,
         hooks: "Hooks | None" = None,
         lease_ttl_s: float = 60.0,
         transfer_timeout_s: float = 120.0,
         load_batch_bytes: int = 512 << 20,
+        transport_mode: str = "auto",
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
@@ -86,14 +88,11 @@ class Receiver:
         self.lease_ttl_s = lease_ttl_s
         self.transfer_timeout_s = transfer_timeout_s
         self.load_batch_bytes = load_batch_bytes
-        self._owns_transport = transport is None
-        if transport is None:
-            from mx_refit.transport.nixl import NixlTransport
+        from mx_refit.publisher import _routing
 
-            transport = NixlTransport(f"mx-recv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.transport = transport
+        self.transport = _routing(transport, transport_mode, f"mx-recv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._owns_transport = self.transport is not transport  # ours (a given NIXL one stays open)
         self._arena: "torch.Tensor | None" = None
-        self._locations: dict[str, tuple[str, int]] = {}  # source_id -> (NIXL memory type, device)
         self._cached_plan: "tuple[int, ReceivePlan, dict[str, list[tuple[int, int, int]]]] | None" = None
 
     @classmethod
@@ -125,6 +124,7 @@ class Receiver:
             "token": cfg.catalog.token,
             "lease_ttl_s": cfg.lease_ttl_s,
             "transfer_timeout_s": cfg.transfer_timeout_s,
+            "transport_mode": cfg.transport,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -185,11 +185,13 @@ class Receiver:
     ) -> RefitResult:
         info = self.discover(version, min_version=min_version, wait_s=wait_s)
         attempt.append(info.version)
+        live = {s.source_id for s in info.sources}
+        for gone in self.transport.known_sources() - live:  # expired or replaced: close its handles
+            self.transport.forget(gone)
         planned = time.perf_counter()
         plan, requests = self._plan(info)
         plan_seconds = time.perf_counter() - planned
         registrations_before = self.transport.registrations
-        descriptors_before = self.transport.descriptors_posted
 
         lease_id = self.client.acquire_lease(
             model=self.model, version=info.version, reader_id=self.reader_id, ttl_s=self.lease_ttl_s
@@ -204,7 +206,7 @@ class Receiver:
         try:
             arena = self._arena_for(plan.arena_bytes)
             started = time.perf_counter()
-            pulled = self._pull(info, plan, requests, arena)
+            report = self._pull(info, requests, arena)
             seconds = time.perf_counter() - started
             pulled_all = True
         finally:
@@ -212,6 +214,7 @@ class Receiver:
             # Every byte is in the arena: this reader is done with the publisher's buffers.
             self._release(lease_id, completed=pulled_all)
 
+        pulled = sum(report.nbytes.values())
         tensors = list(plan.materialize(arena))
         if self.engine is not None:
             for batch in _batches(tensors, self.load_batch_bytes):
@@ -222,17 +225,19 @@ class Receiver:
             tensors=len(tensors),
             bytes_pulled=pulled,
             bytes_needed=plan.bytes_needed,
-            descriptors=self.transport.descriptors_posted - descriptors_before,
+            descriptors=report.descriptors,
             seconds=seconds,
             new_registrations=self.transport.registrations - registrations_before,
             sources=len(requests),
             plan_seconds=plan_seconds,
+            transport=report.path,
+            handles_opened=report.handles_opened,
         )
         if notify:
             self.hooks.refit_done(stats)
         log.info(
-            "refit %s v%d: %d tensors, %.1f MB in %.3fs (%.2f GB/s)",
-            self.model, info.version, stats.tensors, pulled / 1e6, seconds, stats.gbps,
+            "refit %s v%d: %d tensors, %.1f MB in %.3fs (%.2f GB/s) over %s",
+            self.model, info.version, stats.tensors, pulled / 1e6, seconds, stats.gbps, stats.transport,
         )
         return RefitResult(version=info, plan=plan, tensors=tensors, stats=stats)
 
@@ -252,7 +257,8 @@ class Receiver:
             if self._arena is not None:
                 self.transport.deregister(self._arena)
             self._arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.transport.register(self._arena)
+            # Pinned now; registered with NIXL only when a source is read over NIXL.
+            self.transport.register_many([self._arena], nixl=False)
         return self._arena
 
     def _plan(self, info: VersionInfo) -> "tuple[ReceivePlan, dict[str, list[tuple[int, int, int]]]]":
@@ -282,45 +288,22 @@ class Receiver:
                     f"source {source.source_id!r} publishes tensors in {len(kinds)} memory locations "
                     f"{sorted(kinds)}; one source must publish from one device"
                 )
-            self._locations[source.source_id] = kinds.pop() if kinds else ("DRAM", 0)
         self._cached_plan = (key, plan, requests)
         return plan, requests
 
     def _pull(
         self,
         info: VersionInfo,
-        plan: "ReceivePlan",
         requests: dict[str, list[tuple[int, int, int]]],
         arena: "torch.Tensor",
-    ) -> int:
+    ) -> "ReadReport":
         sources = {s.source_id: s for s in info.sources}
-        base = arena.data_ptr()
-        ops: dict[str, list[tuple[int, int, int]]] = {}
-        for source_id, ranges in requests.items():
-            for _, offset, nbytes in ranges:
-                if offset < 0 or offset + nbytes > arena.numel():
-                    raise InvalidArgument(
-                        f"plan read of {nbytes} bytes at arena offset {offset} exceeds the "
-                        f"{arena.numel()}-byte arena"
-                    )
-            ops[source_id] = [(remote, base + offset, nbytes) for remote, offset, nbytes in ranges]
-        local_mem = "VRAM" if arena.is_cuda else "DRAM"
-        local_dev = int(arena.device.index or 0) if arena.is_cuda else 0
-        for source_id in ops:
-            source = sources[source_id]
-            self.transport.connect(source_id, source.agent_name, source.agent_metadata)
-        remote_mem = {source_id: self._locations[source_id][0] for source_id in ops}
-        remote_dev = {source_id: self._locations[source_id][1] for source_id in ops}
+        report = self.transport.read(sources, requests, arena, timeout_s=self.transfer_timeout_s)
+        moved = sum(report.nbytes.values())
         expected = sum(n for ranges in requests.values() for _, _, n in ranges)
-        stats = self.transport.read_many(
-            ops, remote_mem=remote_mem, remote_dev=remote_dev,
-            local_mem=local_mem, local_dev=local_dev, timeout_s=self.transfer_timeout_s,
-            merge=False,  # already coalesced and cut at the sources' region edges (see _plan)
-        )
-        moved = sum(s.nbytes for s in stats.values())
         if moved != expected:
             raise TransferError(f"pulled {moved} bytes but the plan needs {expected}")
-        return moved
+        return report
 
     def close(self) -> None:
         """Release what this receiver made: its transport (from a given one only the arena is

@@ -15,6 +15,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "DTYPE_SIZES",
+    "CudaIpcExport",
+    "IpcRegion",
     "MemType",
     "MeshPosition",
     "PublishedTensor",
@@ -119,6 +121,33 @@ class TensorDescriptor:
 
 
 @dataclass(frozen=True)
+class IpcRegion:
+    """One registered CUDA region as a CUDA IPC export: ``handle`` (the 64-byte
+    ``cudaIpcMemHandle_t`` of the allocation holding the region, opaque to everyone but CUDA)
+    and ``offset``, where the region starts inside that allocation."""
+
+    addr: int
+    nbytes: int
+    handle: bytes
+    offset: int
+
+
+@dataclass(frozen=True)
+class CudaIpcExport:
+    """How a reader on the same node maps a source's CUDA regions: the node's identity (boot id
+    and host name; both must match the reader's), the exporting process (pid and pid namespace,
+    so a reader can tell the source died), the CUDA device (its 16-byte UUID, stable across
+    ``CUDA_VISIBLE_DEVICES``) and one :class:`IpcRegion` per registered region."""
+
+    boot_id: str
+    host_name: str
+    pid: int
+    pid_namespace: str
+    device_uuid: bytes
+    regions: tuple[IpcRegion, ...]
+
+
+@dataclass(frozen=True)
 class SourceInfo:
     """A publishing process (a trainer rank or a replica) and everything a reader needs of it.
 
@@ -130,6 +159,10 @@ class SourceInfo:
     ``layout_digest`` is set by the catalog (anything a publisher sends is ignored): a stable
     hash of ``tensors`` and ``regions``, equal exactly when they are. It lets readers recognise
     an unchanged layout without walking it; being derived data, it takes no part in ``==``.
+
+    ``cuda_ipc``: the source's CUDA IPC export (same-node readers copy its CUDA regions device to
+    device), or ``None``. It is sent with every reply (handles change when a trainer reallocates
+    after a drain, while the layout may not).
     """
 
     source_id: str
@@ -140,6 +173,7 @@ class SourceInfo:
     ready: bool = False
     regions: tuple[tuple[int, int], ...] = ()
     layout_digest: str = field(default="", compare=False)
+    cuda_ipc: CudaIpcExport | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +249,8 @@ class RefitStats:
     new_registrations: int
     sources: int
     plan_seconds: float = 0.0  # planning + coalescing; ~0 once the layout is cached
+    transport: str = "nixl"  # the path the bytes took: "nixl", "cuda_ipc" or "mixed"
+    handles_opened: int = 0  # CUDA IPC handles opened this cycle (0 once they are cached)
 
     @property
     def gbps(self) -> float:

@@ -27,6 +27,8 @@ from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.validation import json_text, to_json_value
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import (
+    CudaIpcExport,
+    IpcRegion,
     MemType,
     MeshPosition,
     Role,
@@ -224,6 +226,8 @@ def source_to_proto(
         msg.layout_digest = source.layout_digest
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
+    if source.cuda_ipc is not None:
+        _fill_cuda_ipc(msg.cuda_ipc, source.cuda_ipc)
     if omit_tensors:
         msg.tensors_omitted = True
         return msg
@@ -275,6 +279,33 @@ def source_from_proto(
         ready=msg.ready,
         regions=regions,
         layout_digest=digest,
+        cuda_ipc=cuda_ipc_from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
+    )
+
+
+def _fill_cuda_ipc(msg: pb.CudaIpcExport, export: CudaIpcExport) -> None:
+    try:
+        msg.boot_id = export.boot_id
+        msg.host_name = export.host_name
+        msg.pid = export.pid
+        msg.pid_namespace = export.pid_namespace
+        msg.device_uuid = bytes(export.device_uuid)
+        for region in export.regions:
+            msg.regions.add(addr=region.addr, nbytes=region.nbytes, handle=bytes(region.handle),
+                            offset=region.offset)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidArgument(f"source.cuda_ipc: cannot encode {export!r}: {exc}") from None
+
+
+def cuda_ipc_from_proto(msg: pb.CudaIpcExport) -> CudaIpcExport:
+    """Message -> ``CudaIpcExport`` (not validated)."""
+    return CudaIpcExport(
+        boot_id=msg.boot_id,
+        host_name=msg.host_name,
+        pid=msg.pid,
+        pid_namespace=msg.pid_namespace,
+        device_uuid=msg.device_uuid,
+        regions=tuple(IpcRegion(r.addr, r.nbytes, r.handle, r.offset) for r in msg.regions),
     )
 
 

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from mx_refit.errors import InvalidArgument
-from mx_refit.types import DTYPE_SIZES, MemType, MeshPosition, Role, SourceInfo, TensorDescriptor
+from mx_refit.types import (
+    DTYPE_SIZES,
+    CudaIpcExport,
+    IpcRegion,
+    MemType,
+    MeshPosition,
+    Role,
+    SourceInfo,
+    TensorDescriptor,
+)
 
 __all__ = [
     "CatalogLimits",
@@ -441,6 +450,7 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
     if not isinstance(source.ready, bool):
         raise InvalidArgument(f"source.ready: must be a bool, got {source.ready!r}")
     regions = _validate_regions(source.regions, clean, limits)
+    cuda_ipc = validate_cuda_ipc(source.cuda_ipc, regions, clean)
     return SourceInfo(
         source_id=source_id,
         mesh=mesh,
@@ -449,7 +459,56 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         tensors=tuple(clean),
         ready=source.ready,
         regions=regions,
+        cuda_ipc=cuda_ipc,
     )
+
+
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+DEVICE_UUID_BYTES = 16
+
+
+def validate_cuda_ipc(
+    export: object, regions: Sequence[tuple[int, int]], tensors: Sequence[TensorDescriptor]
+) -> CudaIpcExport | None:
+    """A source's CUDA IPC export: sizes of the opaque fields, every exported region one of the
+    source's registered regions, the source's tensors in CUDA memory. ``None`` passes."""
+    if export is None:
+        return None
+    if not isinstance(export, CudaIpcExport):
+        raise InvalidArgument(f"source.cuda_ipc: expected a CudaIpcExport, got {type(export).__name__}")
+    for name, limit in (("boot_id", 64), ("host_name", 255), ("pid_namespace", 64)):
+        value = getattr(export, name)
+        if not isinstance(value, str) or len(value) > limit or (not value and name != "pid_namespace"):
+            raise InvalidArgument(f"source.cuda_ipc.{name}: {value!r} must be a non-empty string of at most {limit} characters")
+    pid = check_int(export.pid, "source.cuda_ipc.pid", minimum=1)
+    uuid = export.device_uuid
+    if not isinstance(uuid, (bytes, bytearray)) or len(uuid) != DEVICE_UUID_BYTES:
+        raise InvalidArgument(
+            f"source.cuda_ipc.device_uuid: must be {DEVICE_UUID_BYTES} bytes, got "
+            f"{len(uuid) if isinstance(uuid, (bytes, bytearray)) else type(uuid).__name__}"
+        )
+    if any(d.mem_type != MemType.VRAM for d in tensors):
+        raise InvalidArgument("source.cuda_ipc: given, but the source publishes tensors in host memory")
+    known = set(regions)
+    clean: list[IpcRegion] = []
+    for index, region in enumerate(export.regions):
+        field = f"source.cuda_ipc.regions[{index}]"
+        if not isinstance(region, IpcRegion):
+            raise InvalidArgument(f"{field}: expected an IpcRegion, got {type(region).__name__}")
+        handle = region.handle
+        if not isinstance(handle, (bytes, bytearray)) or len(handle) != IPC_HANDLE_BYTES:
+            raise InvalidArgument(
+                f"{field}.handle: must be {IPC_HANDLE_BYTES} bytes, got "
+                f"{len(handle) if isinstance(handle, (bytes, bytearray)) else type(handle).__name__}"
+            )
+        offset = check_int(region.offset, f"{field}.offset", minimum=0)
+        span = (check_int(region.addr, f"{field}.addr"), check_int(region.nbytes, f"{field}.nbytes"))
+        if span not in known:
+            raise InvalidArgument(f"{field}: ({span[0]:#x}, {span[1]}) is not one of source.regions")
+        clean.append(IpcRegion(span[0], span[1], bytes(handle), offset))
+    if len({r.addr for r in clean}) != len(clean):
+        raise InvalidArgument("source.cuda_ipc.regions: a region is exported twice")
+    return CudaIpcExport(export.boot_id, export.host_name, pid, export.pid_namespace, bytes(uuid), tuple(clean))
 
 
 def _validate_regions(

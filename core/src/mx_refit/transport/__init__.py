@@ -28,6 +28,7 @@ from mx_refit.ranges import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.transport.nixl import NixlTransport, TransferStats
+    from mx_refit.transport.routing import RoutingTransport
 
 __all__ = [
     "DEFAULT_DESCRIPTOR_OVERHEAD_S",
@@ -49,8 +50,10 @@ _shared: "tuple[int, NixlTransport] | None" = None  # (pid that made it, transpo
 _shared_lock = threading.Lock()
 
 
-def shared_transport() -> "NixlTransport":
-    """This process's shared transport, created on first call (one NIXL agent per process).
+def shared_transport() -> "RoutingTransport":
+    """This process's shared transport, created on first call (one NIXL agent per process, made
+    when a NIXL path is first needed, plus the CUDA IPC path for same-node CUDA sources; see
+    :class:`~mx_refit.transport.routing.RoutingTransport`).
 
     Hand it to every ``Publisher``/``Receiver`` of the process (``transport=shared_transport()``):
     they then share registrations and peer connections, and none of them closes it; it is closed
@@ -60,15 +63,15 @@ def shared_transport() -> "NixlTransport":
     global _shared
     with _shared_lock:
         if _shared is None or _shared[0] != os.getpid():
-            from mx_refit.transport.nixl import NixlTransport
+            from mx_refit.transport.routing import RoutingTransport
 
-            transport = NixlTransport(f"mx-shared-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            transport = RoutingTransport("auto", name=f"mx-shared-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             _shared = (os.getpid(), transport)
             atexit.register(_close_shared, transport)
         return _shared[1]
 
 
-def _close_shared(transport: "NixlTransport") -> None:
+def _close_shared(transport: "RoutingTransport") -> None:
     try:
         transport.close()
     except Exception:  # interpreter exit: nothing left to report to

@@ -97,7 +97,7 @@ class TensorDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "cuda_ipc")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class SourceInfo(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TENSORS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
@@ -116,7 +117,36 @@ class SourceInfo(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     layout_digest: str
     tensors_omitted: bool
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ...) -> None: ...
+    cuda_ipc: CudaIpcExport
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ...) -> None: ...
+
+class CudaIpcExport(_message.Message):
+    __slots__ = ("boot_id", "host_name", "pid", "pid_namespace", "device_uuid", "regions")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    host_name: str
+    pid: int
+    pid_namespace: str
+    device_uuid: bytes
+    regions: _containers.RepeatedCompositeFieldContainer[IpcRegion]
+    def __init__(self, boot_id: _Optional[str] = ..., host_name: _Optional[str] = ..., pid: _Optional[int] = ..., pid_namespace: _Optional[str] = ..., device_uuid: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[IpcRegion, _Mapping]]] = ...) -> None: ...
+
+class IpcRegion(_message.Message):
+    __slots__ = ("addr", "nbytes", "handle", "offset")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    nbytes: int
+    handle: bytes
+    offset: int
+    def __init__(self, addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., handle: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "nbytes")

@@ -1,0 +1,406 @@
+"""CUDA IPC data path for sources on the same node: device-to-device copies, no NIXL, no UCX.
+
+Why it exists: for a same-GPU peer UCX moved bytes over ``tcp/lo`` at 0.4-0.5 GB/s on one H200
+(issue 10), where a device copy runs at about 2 TB/s.
+
+Source side (:meth:`CudaIpcTransport.export`): one ``cudaIpcMemHandle_t`` per registered CUDA
+region, taken on the *allocation* that holds the region (``cuMemGetAddressRange``), plus the
+region's offset inside it. Exports are cached per region, so republishing the same buffers costs
+nothing. Allocations made with ``expandable_segments`` (cuMemMap) have no IPC handle: such a
+source exports nothing and readers fall back to NIXL.
+
+Reader side (:meth:`CudaIpcTransport.read`): each handle is opened once and cached per (source,
+region) in a :class:`HandleCache`; a changed handle (the trainer reallocated after a drain) is
+reopened, a source that expired or a closing transport closes its handles. The coalesced ranges
+become ``cuMemcpyAsync`` calls on one dedicated stream per device, waited on once. A source in
+this very process is read from its own addresses (CUDA cannot open a process's own handle).
+
+Only the CUDA driver library (``libcuda.so.1``, through ctypes) and torch (streams, device
+UUIDs) are used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mx_refit.errors import InvalidArgument, TransferError
+from mx_refit.transport.base import CUDA_IPC, LocalNode, ReadReport, local_node
+from mx_refit.types import CudaIpcExport, IpcRegion
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mx_refit.ranges import Range
+    from mx_refit.types import SourceInfo
+
+__all__ = ["HANDLE_BYTES", "CudaIpcTransport", "HandleCache", "device_uuid"]
+
+log = logging.getLogger(__name__)
+
+HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(CUipcMemHandle)
+UUID_BYTES = 16
+_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+class _Driver:
+    """The few CUDA driver calls the IPC path makes, through ctypes (no build step, no extra
+    package). Calls run in the caller's current context; :meth:`bind` makes the primary context
+    of a device current (torch's runtime uses the same primary context)."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise TransferError(f"CUDA IPC: the CUDA driver library is not available ({exc})") from exc
+        self.lib = lib
+        u64, vp = ctypes.c_uint64, ctypes.c_void_p
+        sigs: dict[str, list[Any]] = {
+            "cuInit": [ctypes.c_uint],
+            "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+            "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), u64],
+            "cuIpcOpenMemHandle_v2": [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint],
+            "cuIpcCloseMemHandle": [u64],
+            "cuMemGetAddressRange_v2": [ctypes.POINTER(u64), ctypes.POINTER(ctypes.c_size_t), u64],
+            "cuMemcpyAsync": [u64, u64, ctypes.c_size_t, vp],
+            "cuCtxSetCurrent": [vp],
+            "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), ctypes.c_int],
+        }
+        for name, argtypes in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self.check(lib.cuInit(0), "cuInit")
+        self._contexts: dict[int, ctypes.c_void_p] = {}
+        self.memcpy_async = lib.cuMemcpyAsync
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, ctypes.byref(text))
+            raise TransferError(f"CUDA IPC: {what} failed: {(text.value or b'?').decode()} (CUresult {rc})")
+
+    def bind(self, device: int) -> None:
+        """Make ``device``'s primary context (torch's) current on this thread."""
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._contexts[device] = ctx
+        self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def allocation_of(self, addr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), addr),
+                   f"cuMemGetAddressRange({addr:#x})")
+        return int(base.value), int(size.value)
+
+    def export(self, base: int) -> bytes:
+        handle = _IpcHandle()
+        self.check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), base), f"cuIpcGetMemHandle({base:#x})")
+        return bytes(bytearray(handle))
+
+    def open(self, handle: bytes) -> int:
+        raw = _IpcHandle.from_buffer_copy(handle)
+        ptr = ctypes.c_uint64()
+        self.check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, _LAZY_ENABLE_PEER_ACCESS),
+                   "cuIpcOpenMemHandle")
+        return int(ptr.value)
+
+    def close(self, ptr: int) -> None:
+        self.check(self.lib.cuIpcCloseMemHandle(ptr), f"cuIpcCloseMemHandle({ptr:#x})")
+
+
+_driver_lock = threading.Lock()
+_driver: _Driver | None = None
+
+
+def _cuda() -> _Driver:
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            _driver = _Driver()
+        return _driver
+
+
+def device_uuid(device: int) -> bytes:
+    """The 16-byte UUID of a CUDA device (what ``cuDeviceGetUuid`` returns)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).uuid.bytes
+
+
+@dataclass
+class _Opened:
+    ptr: int  # where the allocation is mapped in this process
+    users: int  # (source, region) entries that use it
+
+
+@dataclass(frozen=True)
+class _Entry:
+    handle: bytes
+    region: IpcRegion
+
+
+class HandleCache:
+    """Opened IPC handles per (source, region), reopened when a region's handle changes, closed
+    when the source is forgotten or the cache closes.
+
+    Several regions of one source may lie in one allocation (one handle): each handle is opened
+    once per process (CUDA maps an allocation once) and reference counted. ``open_handle`` and
+    ``close_handle`` are the CUDA calls (plain functions here, so the bookkeeping is testable
+    without a GPU).
+    """
+
+    def __init__(self, open_handle: Callable[[bytes], int], close_handle: Callable[[int], None]) -> None:
+        self._open_handle = open_handle
+        self._close_handle = close_handle
+        self._entries: dict[tuple[str, int], _Entry] = {}
+        self._opened: dict[bytes, _Opened] = {}
+        self.opened = 0  # real opens, ever
+        self.closed = 0
+
+    def bases(self, source_id: str, regions: Sequence[IpcRegion]) -> dict[int, int]:
+        """``region addr -> local address of the region's first byte`` for every region of
+        ``source_id``; opens what is new or changed, closes what the source no longer exports."""
+        wanted = {r.addr: r for r in regions}
+        for key in [k for k in self._entries if k[0] == source_id]:
+            entry = self._entries[key]
+            region = wanted.get(key[1])
+            if region is None or region.handle != entry.handle:
+                del self._entries[key]
+                self._drop(entry.handle)
+        out: dict[int, int] = {}
+        for addr, region in wanted.items():
+            entry = self._entries.get((source_id, addr))
+            if entry is None:
+                opened = self._opened.get(region.handle)
+                if opened is None:
+                    opened = self._opened[region.handle] = _Opened(self._open_handle(region.handle), 0)
+                    self.opened += 1
+                opened.users += 1
+                entry = self._entries[(source_id, addr)] = _Entry(region.handle, region)
+            elif entry.region != region:  # same allocation, region moved inside it
+                entry = self._entries[(source_id, addr)] = _Entry(region.handle, region)
+            out[addr] = self._opened[region.handle].ptr + region.offset
+        return out
+
+    def forget(self, source_id: str) -> None:
+        for key in [k for k in self._entries if k[0] == source_id]:
+            self._drop(self._entries.pop(key).handle)
+
+    def sources(self) -> set[str]:
+        return {k[0] for k in self._entries}
+
+    def close(self) -> None:
+        for source_id in self.sources():
+            self.forget(source_id)
+
+    def _drop(self, handle: bytes) -> None:
+        opened = self._opened[handle]
+        opened.users -= 1
+        if opened.users == 0:
+            del self._opened[handle]
+            self.closed += 1
+            try:
+                self._close_handle(opened.ptr)
+            except Exception as exc:  # a dead exporter's mapping: nothing left to undo
+                log.debug("closing an IPC mapping failed: %s", exc)
+
+    def __len__(self) -> int:
+        return len(self._opened)
+
+
+def translate(
+    requests: Sequence["Range"], regions: Sequence[IpcRegion], bases: Mapping[int, int], arena_base: int
+) -> list[tuple[int, int, int]]:
+    """``(remote, arena offset, n)`` ranges -> ``(local src ptr, dst ptr, n)`` device copies.
+
+    Each range must lie inside one exported region (the receiver cuts merged reads at region
+    edges, the same rule as for NIXL)."""
+    import bisect
+
+    ordered = sorted(regions, key=lambda r: r.addr)
+    starts = [r.addr for r in ordered]
+    out = []
+    for remote, offset, n in requests:
+        i = bisect.bisect_right(starts, remote) - 1
+        if i < 0 or remote + n > ordered[i].addr + ordered[i].nbytes:
+            raise InvalidArgument(f"remote range {remote:#x}+{n} lies in no exported CUDA IPC region")
+        region = ordered[i]
+        out.append((bases[region.addr] + (remote - region.addr), arena_base + offset, n))
+    return out
+
+
+class CudaIpcTransport:
+    """Exports CUDA regions (source side) and copies from same-node sources (reader side)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._exports: dict[tuple[int, int], IpcRegion] = {}
+        self._failed_export: str | None = None
+        self._cache: HandleCache | None = None
+        self._streams: dict[int, Any] = {}
+        self._node: LocalNode = local_node()
+        self.copies = 0
+        self.bytes_read = 0
+        self._closed = False
+
+    @property
+    def handles_opened(self) -> int:
+        return self._cache.opened if self._cache is not None else 0
+
+    # ---------------------------------------------------------------- source side
+    def export(self, regions: Sequence[tuple[int, int]], device: int) -> CudaIpcExport | None:
+        """The IPC export of CUDA ``regions`` on ``device`` (``None`` when the memory cannot be
+        exported, e.g. expandable segments: readers then use NIXL)."""
+        with self._lock:
+            out: list[IpcRegion] = []
+            try:
+                import torch
+
+                driver = _cuda()
+                with torch.cuda.device(device):
+                    driver.bind(device)
+                    for addr, nbytes in regions:
+                        region = self._exports.get((addr, nbytes))
+                        if region is None:
+                            base, size = driver.allocation_of(addr)
+                            if addr + nbytes > base + size:
+                                raise TransferError(f"region {addr:#x}+{nbytes} spans several CUDA allocations")
+                            region = IpcRegion(addr, nbytes, driver.export(base), addr - base)
+                            self._exports[(addr, nbytes)] = region
+                        out.append(region)
+            except TransferError as exc:
+                if self._failed_export != str(exc):
+                    log.warning("no CUDA IPC export (readers on this node will use NIXL): %s", exc)
+                    self._failed_export = str(exc)
+                return None
+            node = self._node
+            return CudaIpcExport(node.boot_id, node.host_name, node.pid, node.pid_namespace,
+                                 device_uuid(device), tuple(out))
+
+    def forget_exports(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Drop cached exports (the regions were deregistered; their memory may be freed)."""
+        with self._lock:
+            for key in regions:
+                self._exports.pop(tuple(key), None)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- reader side
+    def read(
+        self,
+        sources: "Mapping[str, SourceInfo]",
+        requests: "Mapping[str, Sequence[Range]]",
+        arena: "torch.Tensor",
+    ) -> ReadReport:
+        """Copy every source's ``(remote, arena offset, n)`` ranges into ``arena`` on one
+        dedicated stream of the arena's device; returns once every copy finished.
+
+        Raises :class:`TransferError` naming the source when its handles cannot be opened or the
+        source process is gone (before or after the copies): nothing of a dead source's memory
+        is trusted."""
+        import torch
+
+        with self._lock:
+            if self._closed:
+                raise TransferError("CUDA IPC transport is closed")
+            driver = _cuda()
+            dev = arena.device.index if arena.device.index is not None else torch.cuda.current_device()
+            with torch.cuda.device(dev):
+                return self._read(driver, dev, sources, requests, arena)
+
+    def _read(
+        self,
+        driver: _Driver,
+        dev: int,
+        sources: "Mapping[str, SourceInfo]",
+        requests: "Mapping[str, Sequence[Range]]",
+        arena: "torch.Tensor",
+    ) -> ReadReport:
+        import torch
+
+        driver.bind(dev)
+        if self._cache is None:
+            self._cache = HandleCache(driver.open, driver.close)
+        opened_before = self._cache.opened
+        copies: list[tuple[int, int, int]] = []
+        nbytes: dict[str, int] = {}
+        for source_id, ranges in requests.items():
+            export = sources[source_id].cuda_ipc
+            assert export is not None
+            self._check_alive(source_id, export)
+            if export.pid == self._node.pid and export.pid_namespace == self._node.pid_namespace:
+                bases = {r.addr: r.addr for r in export.regions}  # our own memory
+            else:
+                try:
+                    bases = self._cache.bases(source_id, export.regions)
+                except TransferError as exc:
+                    raise TransferError(f"source {source_id}: {exc}", source_id=source_id) from exc
+            copies.extend(translate(ranges, export.regions, bases, arena.data_ptr()))
+            nbytes[source_id] = sum(n for _, _, n in ranges)
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+        # Copies wait for whatever the arena's users queued before this refit.
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        handle = ctypes.c_void_p(stream.cuda_stream)
+        memcpy = driver.memcpy_async
+        for src, dst, n in copies:
+            rc = memcpy(dst, src, n, handle)
+            if rc:
+                driver.check(rc, f"cuMemcpyAsync of {n} bytes")
+        stream.synchronize()
+        for source_id in requests:  # died while we copied: its bytes are not trusted
+            export = sources[source_id].cuda_ipc
+            assert export is not None
+            self._check_alive(source_id, export)
+        self.copies += len(copies)
+        self.bytes_read += sum(nbytes.values())
+        return ReadReport(nbytes, {s: CUDA_IPC for s in requests}, len(copies),
+                          self._cache.opened - opened_before)
+
+    def _check_alive(self, source_id: str, export: CudaIpcExport) -> None:
+        if export.pid_namespace != self._node.pid_namespace or not export.pid_namespace:
+            return  # another pid namespace: the catalog's source TTL is the only witness
+        try:
+            os.kill(export.pid, 0)
+        except ProcessLookupError:
+            self.forget(source_id)
+            raise TransferError(
+                f"source {source_id}: its process (pid {export.pid}) is gone; its CUDA memory is "
+                "not read", source_id=source_id,
+            ) from None
+        except PermissionError:
+            pass  # alive, owned by another user
+
+    def forget(self, source_id: str) -> None:
+        """Close the handles of a source that expired or was replaced."""
+        with self._lock:
+            if self._cache is not None:
+                self._cache.forget(source_id)
+
+    def sources(self) -> set[str]:
+        return self._cache.sources() if self._cache is not None else set()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._cache is not None:
+                started = time.monotonic()
+                self._cache.close()
+                log.debug("closed CUDA IPC handles in %.3f s", time.monotonic() - started)
+            self._streams.clear()
+            self._exports.clear()
