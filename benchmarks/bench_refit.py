@@ -4,6 +4,12 @@ in the same run.
 
     python benchmarks/bench_refit.py --device cuda --out results.json     # GPU0 -> GPU1
     python benchmarks/bench_refit.py --device cpu --scale 0.125            # DRAM, smaller
+    python benchmarks/bench_refit.py --device cuda --transport auto        # one GPU: colocated
+
+With one GPU both processes share GPU0 (colocated); the NCCL baseline cannot run there and the
+baseline is vLLM's ``ipc`` engine path instead (CUDA IPC handle opened in the receiver, then
+copied; ``_ipc_baseline.py``). ``--transport`` is ``weight_sync.transport`` (auto | nixl |
+cuda_ipc); the path each refit took is reported.
 
 Cases (sizes times --scale):
   large: 8 GiB in tensors of 64-512 MiB
@@ -22,6 +28,8 @@ import platform
 import socket
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling _ipc_baseline
 
 MIB = 1 << 20
 
@@ -47,7 +55,7 @@ def _fill(buf, version: int) -> None:
     words.add_(version * 7919)
 
 
-def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_q) -> None:
+def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_q, transport: str = "auto") -> None:
     import torch
 
     from mx_refit.publisher import Publisher
@@ -65,7 +73,8 @@ def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_
                 views.append(PublishedTensor(f"layers.{i}.weight", buf[off : off + size]))
                 off += size
             buffers[case], tensors[case] = buf, views
-            publishers[case] = Publisher(address, f"bench-{case}", source_id=f"bench-{case}/src")
+            publishers[case] = Publisher(address, f"bench-{case}", source_id=f"bench-{case}/src",
+                                         transport_mode=transport)
         res_q.put(("ready", None))
         while True:
             cmd, case, version = cmd_q.get()
@@ -90,7 +99,7 @@ def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_
         raise SystemExit(1) from exc
 
 
-def receiver_proc(address: str, device: str, cmd_q, res_q) -> None:
+def receiver_proc(address: str, device: str, cmd_q, res_q, transport: str = "auto") -> None:
     import torch
 
     from mx_refit.receiver import Receiver
@@ -106,7 +115,8 @@ def receiver_proc(address: str, device: str, cmd_q, res_q) -> None:
             cmd, case, version = cmd_q.get()
             if cmd == "stop":
                 break
-            rec = receivers.get(case) or receivers.setdefault(case, Receiver(address, f"bench-{case}", device=dev))
+            rec = receivers.get(case) or receivers.setdefault(case, Receiver(address, f"bench-{case}", device=dev,
+                                                                                   transport_mode=transport))
             started = time.perf_counter()
             result = rec.refit(version, wait_s=30)
             wall = time.perf_counter() - started
@@ -119,6 +129,7 @@ def receiver_proc(address: str, device: str, cmd_q, res_q) -> None:
             res_q.put(("pulled", {"seconds": s.seconds, "gbps": s.gbps, "bytes": s.bytes_pulled,
                                   "descriptors": s.descriptors, "new_registrations": s.new_registrations,
                                   "tensors": s.tensors, "plan_s": s.plan_seconds, "refit_wall_s": wall,
+                                  "transport": s.transport, "handles_opened": s.handles_opened,
                                   "identical": bool(torch.equal(got, expected))}))
         for rec in receivers.values():
             rec.close()
@@ -227,6 +238,7 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every case's size")
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results JSON here too")
+    parser.add_argument("--transport", choices=("auto", "nixl", "cuda_ipc"), default="auto")
     args = parser.parse_args()
 
     import torch
@@ -243,8 +255,9 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     src_q, rec_q, res_src, res_rec = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=source_proc, args=(server.address, args.device, cases, args.cycles, src_q, res_src)),
-        ctx.Process(target=receiver_proc, args=(server.address, args.device, rec_q, res_rec)),
+        ctx.Process(target=source_proc, args=(server.address, args.device, cases, args.cycles, src_q, res_src,
+                                              args.transport)),
+        ctx.Process(target=receiver_proc, args=(server.address, args.device, rec_q, res_rec, args.transport)),
     ]
     for p in procs:
         p.start()
@@ -260,7 +273,8 @@ def main() -> int:
                 cycles.append({**pulled, **published})
                 print(f"{case} cycle {version}: {pulled['bytes'] / 2**30:.2f} GiB in {pulled['seconds'] * 1e3:.1f} ms "
                       f"= {pulled['gbps']:.1f} GB/s, {pulled['descriptors']} descriptors, "
-                      f"new registrations {pulled['new_registrations']}, identical={pulled['identical']}; whole refit "
+                      f"new registrations {pulled['new_registrations']}, handles opened {pulled['handles_opened']}, "
+                      f"over {pulled['transport']}, identical={pulled['identical']}; whole refit "
                       f"(discover, plan, lease, pull, release, materialize) {pulled['refit_wall_s'] * 1e3:.1f} ms",
                       flush=True)
             results["cases"][case] = {"tensors": len(sizes), "bytes": sum(sizes), "cycles": cycles}
@@ -270,15 +284,23 @@ def main() -> int:
             p.join(120)
         server.stop(0)
 
+    colocated = args.device == "cuda" and torch.cuda.device_count() == 1
     for case, sizes in cases.items():
         entry = results["cases"][case]
         entry.update(torch_copy_baseline(args.device, sizes))
-        entry.update(broadcast_baseline(args.device, sizes))
         steady = max(c["gbps"] for c in entry["cycles"][1:]) if len(entry["cycles"]) > 1 else entry["cycles"][0]["gbps"]
         entry["mx_steady_gbps"] = steady
-        bcast = "nccl" if args.device == "cuda" else "gloo"
         entry["ratio_vs_torch_copy_flat"] = steady / entry["torch_copy_flat_gbps"]
-        entry["ratio_vs_broadcast_flat"] = steady / entry[f"{bcast}_broadcast_flat_gbps"]
+        if colocated:  # NCCL needs one GPU per rank: the colocated baseline is vLLM's ipc path
+            from _ipc_baseline import ipc_copy_baseline
+
+            entry.update(ipc_copy_baseline(sizes, per_tensor=True))
+            entry["ratio_vs_ipc_open_then_copy_flat"] = steady / entry["ipc_open_then_copy_flat_gbps"]
+            entry["ratio_vs_ipc_per_tensor"] = steady / entry["ipc_per_tensor_gbps"]
+        else:
+            entry.update(broadcast_baseline(args.device, sizes))
+            bcast = "nccl" if args.device == "cuda" else "gloo"
+            entry["ratio_vs_broadcast_flat"] = steady / entry[f"{bcast}_broadcast_flat_gbps"]
         print(json.dumps({case: {k: v for k, v in entry.items() if k != "cycles"}}), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -10,6 +10,9 @@ same bytes.
     # 2 GPUs: 1 trainer (TP=1) on GPU 0, receivers on GPU 1 (the two TP=2 workers share it)
     python benchmarks/bench_scale.py --trainer-gpus 0 --receiver-gpus 1 --trainer-layout tp1 \\
         --scale 0.25 --out scale_h200x2.json
+    # 1 GPU, colocated (trainer and receiver share GPU 0; baseline: vLLM's ipc engine path)
+    python benchmarks/bench_scale.py --trainer-gpus 0 --receiver-gpus 0 --colocated --trainer-layout tp1 \\
+        --cases tp1 --scale 0.25 --out scale_colocated.json
     # CPU (DRAM, several processes), tiny
     python benchmarks/bench_scale.py --device cpu --trainer-layout tp2 --cases tp2,tp1 \\
         --scale 0.0001 --dense-layers 1 --moe-layers 2
@@ -147,6 +150,7 @@ class RunConfig:
     dist_port: int
     timeout_s: float
     verify: bool = True
+    transport: str = "auto"  # weight_sync.transport of every Publisher and Receiver
 
     @property
     def world(self) -> int:
@@ -295,7 +299,8 @@ def trainer_main(rank: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
         side = synth.sidecar(cfg.shape, cfg.layout, shards)
         tp_rank, ep_rank = cfg.layout.position(rank)
         mesh = MeshPosition(tp_rank=tp_rank, tp_size=cfg.layout.tp, ep_rank=ep_rank, ep_size=cfg.layout.ep)
-        pub = Publisher(cfg.address, MODEL, mesh=mesh, expected_sources=cfg.layout.ranks, ttl_s=60.0)
+        pub = Publisher(cfg.address, MODEL, mesh=mesh, expected_sources=cfg.layout.ranks, ttl_s=60.0,
+                        transport_mode=cfg.transport)
         res_q.put((name, "ready", {"buffer_bytes": buf.numel() * buf.element_size(), "tensors": len(published),
                                    "pid": os.getpid(), "device": dev}))
         try:
@@ -350,7 +355,8 @@ def worker_main(index: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
                 if rec is None:
                     rec = receivers[label] = Receiver(cfg.address, MODEL, target=target, device=dev,
                                                       reader_id=f"{label}/w{index}",
-                                                      transfer_timeout_s=cfg.timeout_s)
+                                                      transfer_timeout_s=cfg.timeout_s,
+                                                      transport_mode=cfg.transport)
                 time.sleep(max(0.0, start_at - _now()))
                 t0 = _now()
                 result = rec.refit(version, wait_s=cfg.timeout_s)
@@ -366,6 +372,7 @@ def worker_main(index: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
                     "bytes_by_role": {k: list(v) for k, v in plan.bytes_by_role.items()},
                     "tensors": s.tensors, "descriptors": s.descriptors, "reads": len(plan.reads),
                     "sources": s.sources, "new_registrations": s.new_registrations,
+                    "transport": s.transport, "handles_opened": s.handles_opened,
                     "arena_bytes": plan.arena_bytes, "check": report,
                 }))
             elif cmd == "close":
@@ -523,7 +530,8 @@ def run_baselines(fleet: Fleet, cases: list[Case], repeats: int) -> dict[tuple[i
 
 
 def summarize(case: Case, layout: synth.TrainerLayout, shape: synth.ModelShape, run: dict[str, Any],
-              baseline: dict[str, float] | None, receiver_devices: int) -> dict[str, Any]:
+              baseline: dict[str, float] | None, receiver_devices: int,
+              ipc_baseline: dict[str, float] | None = None) -> dict[str, Any]:
     """Steady-state numbers (best of cycles 2.., as bench_refit.py), checks and ratios."""
     cycles = run["cycles"]
     steady = cycles[1:] if len(cycles) > 1 else cycles
@@ -558,6 +566,8 @@ def summarize(case: Case, layout: synth.TrainerLayout, shape: synth.ModelShape, 
         "unexpected": sum(c.get("unexpected", 0) for c in checks),
         "descriptors_per_worker": max(w["descriptors"] for w in best["workers"]),
         "new_registrations_steady": sum(w["new_registrations"] for c in steady for w in c["workers"]),
+        "handles_opened_steady": sum(w.get("handles_opened", 0) for c in steady for w in c["workers"]),
+        "transport": sorted({w.get("transport", "nixl") for c in cycles for w in c["workers"]}),
     }
     if baseline:
         summary["baseline"] = dict(baseline)
@@ -567,6 +577,10 @@ def summarize(case: Case, layout: synth.TrainerLayout, shape: synth.ModelShape, 
         summary["pull_speedup_vs_bcast"] = baseline["bcast_s"] / summary["pull_s"]
         summary["pull_speedup_vs_allgather_bcast"] = baseline["allgather_bcast_s"] / summary["pull_s"]
         summary["bcast_gbps_per_receiver"] = synth.model_bytes(shape) / baseline["bcast_s"] / 1e9
+    if ipc_baseline:
+        summary["ipc_baseline"] = dict(ipc_baseline)
+        summary["refit_over_ipc"] = best["refit_s"] / ipc_baseline["ipc_open_then_copy_flat_s"]
+        summary["pull_over_ipc"] = summary["pull_s"] / ipc_baseline["ipc_open_then_copy_flat_s"]
     summary["ok"] = (summary["mismatched"] == 0 and summary["missing"] == 0 and summary["unexpected"] == 0
                      and summary["tensors_checked"] > 0 and needed_agrees and (wire_equal or not promised))
     return summary
@@ -599,6 +613,14 @@ def table(results: dict[str, Any], device: str) -> str:
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     model = results["config"]["model_bytes"] / GIB
+    for label, c in results["cases"].items():
+        if "ipc_baseline" in c:
+            ipc = c["ipc_baseline"]
+            lines.append(f"{label}: colocated baseline (open IPC handle {ipc['ipc_open_s'] * 1e3:.2f} ms + flat copy "
+                         f"{ipc['ipc_copy_flat_s'] * 1e3:.2f} ms) = {ipc['ipc_open_then_copy_flat_s'] * 1e3:.2f} ms; "
+                         f"whole refit / baseline = {c['refit_over_ipc']:.2f}, pull / baseline = {c['pull_over_ipc']:.2f}; "
+                         f"path {c['transport']}, handles opened in steady cycles {c['handles_opened_steady']}, "
+                         f"new registrations {c['new_registrations_steady']}")
     lines.append(f"model {model:.3f} GiB; trainers {results['config']['trainer_layout']}; refit = slowest worker's "
                  f"discover+plan+lease+pull+release+materialise, best steady cycle; x = baseline time / mx time")
     return "\n".join(lines)
@@ -680,6 +702,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5, help="baseline repeats (best is reported)")
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--colocated", action="store_true",
+                        help="CUDA: trainers and receivers may share GPUs; the baseline becomes vLLM's ipc "
+                             "engine path (open a CUDA IPC handle, copy the model's bytes), not NCCL")
+    parser.add_argument("--transport", choices=("auto", "nixl", "cuda_ipc"), default="auto",
+                        help="weight_sync.transport of every Publisher and Receiver")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte check (it is not timed)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default=None, help="write the JSON here")
@@ -703,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         receiver_gpus = _gpus(args.receiver_gpus) or [g for g in range(count) if g not in trainer_gpus]
         if len(trainer_gpus) != layout.ranks:
             parser.error(f"--trainer-gpus lists {len(trainer_gpus)} GPUs, layout {layout} has {layout.ranks} ranks")
-        if not receiver_gpus or set(trainer_gpus) & set(receiver_gpus):
+        if not receiver_gpus or (set(trainer_gpus) & set(receiver_gpus) and not args.colocated):
             parser.error("--receiver-gpus must list at least one GPU, none of them a trainer GPU")
         if max(trainer_gpus + receiver_gpus) >= count:
             parser.error(f"only {count} GPUs visible")
@@ -723,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = _machine(args.device)
     server = start_embedded()
     base = RunConfig(args.device, shape, layout, tuple(trainer_gpus), tuple(receiver_gpus), 0, server.address,
-                     _free_port(), args.timeout_s, verify=not args.no_verify)
+                     _free_port(), args.timeout_s, verify=not args.no_verify, transport=args.transport)
     skipped = {c.label: why for c in cases if (why := _fits(base, c, shape))}
     runnable = [c for c in cases if c.label not in skipped]
     cfg = dataclasses.replace(base, workers=max((c.workers for c in runnable), default=0))
@@ -755,13 +782,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs[case.label] = run_case(fleet, case, previous + 1, args.cycles, previous)
             previous = runs[case.label]["last_version"]
         phases["cases_s"] = time.monotonic() - started - phases["startup_s"]
-        if not args.no_baselines and runnable:
+        if not args.no_baselines and runnable and not args.colocated:
             baselines = run_baselines(fleet, runnable, args.repeats)
         phases["total_s"] = time.monotonic() - started
     finally:
         if fleet is not None:
             fleet.close()
         server.stop(0)
+    ipc_baseline = None
+    if args.colocated and not args.no_baselines and runnable:
+        from _ipc_baseline import ipc_copy_baseline
+
+        ipc_baseline = ipc_copy_baseline([synth.model_bytes(shape)], device=trainer_gpus[0], repeats=args.repeats)
+        results["config"]["baseline_collective"] = "vLLM ipc engine path (open CUDA IPC handle + flat copy)"
 
     for case in cases:
         if case.label in skipped:
@@ -769,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         baseline = baselines.get(tuple(cfg.bcast_members(case.workers)))
         summary = summarize(case, layout, shape, runs[case.label], baseline,
-                            len(cfg.bcast_members(case.workers)) - 1)
+                            len(cfg.bcast_members(case.workers)) - 1, ipc_baseline)
         summary["cycles"] = runs[case.label]["cycles"]
         results["cases"][case.label] = summary
     results["phases"] = phases

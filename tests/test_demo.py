@@ -16,7 +16,9 @@ def test_demo_json_reports_every_tensor_identical():
     )
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"cycles", "tensors_per_cycle", "identical", "mismatched", "bytes_per_cycle", "gbps"}
+    assert set(summary) == {"cycles", "tensors_per_cycle", "identical", "mismatched", "bytes_per_cycle", "gbps",
+                            "transport"}
+    assert summary["transport"] == ["nixl"] * 3  # host memory: NIXL, whatever the node
     assert summary["cycles"] == 3
     assert summary["tensors_per_cycle"] == 75  # 8 Llama layers x 9 + embeddings, norm, lm_head
     assert summary["mismatched"] == 0

@@ -3,7 +3,9 @@
 With ``--model HF_DIR`` the demo is a real Megatron refit instead (see :func:`megatron_demo`).
 
 Two trainer processes each own half of a synthetic Llama-shaped model (~310 MB of bf16) and
-publish it in place; one receiver process pulls every tensor over NIXL each cycle and checks it
+publish it in place; one receiver process pulls every tensor each cycle (over NIXL, or over CUDA
+IPC when the trainers' GPU memory is on the same node: on one GPU all three share it, colocated,
+and the demo reports the path it used) and checks it
 byte for byte against the values the trainers were told to write. The weights change in place
 between cycles, after the trainers waited for the previous version to drain.
 """
@@ -73,7 +75,8 @@ def fill_pattern(tensor: Any, name: str, cycle: int) -> None:
     flat.copy_((idx * 1103515245 + seed).bitwise_right_shift(8).to(torch.int16))
 
 
-def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, results: Any) -> None:
+def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, results: Any,
+             transport: str = "auto") -> None:
     import math
 
     import torch
@@ -94,7 +97,7 @@ def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, re
         publisher = Publisher(
             # Each trainer owns a disjoint half of the tensors, like a pipeline stage.
             address, MODEL_NAME, mesh=MeshPosition(pp_rank=rank, pp_size=ranks), expected_sources=ranks,
-            source_id=f"{MODEL_NAME}/trainer{rank}",
+            source_id=f"{MODEL_NAME}/trainer{rank}", transport_mode=transport,
         )
         results.put(("ready", rank, None))
         while True:
@@ -114,14 +117,14 @@ def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, re
         results.put(("error", rank, f"trainer {rank}: {type(exc).__name__}: {exc}"))
 
 
-def _receiver(address: str, device: str, commands: Any, results: Any) -> None:
+def _receiver(address: str, device: str, commands: Any, results: Any, transport: str = "auto") -> None:
     import torch
 
     from mx_refit.receiver import Receiver
 
     try:
         dev = f"cuda:{torch.cuda.device_count() - 1}" if device == "cuda" else "cpu"
-        receiver = Receiver(address, MODEL_NAME, device=dev)
+        receiver = Receiver(address, MODEL_NAME, device=dev, transport_mode=transport)
         expected = {}
         results.put(("ready", "receiver", None))
         while True:
@@ -143,7 +146,8 @@ def _receiver(address: str, device: str, commands: Any, results: Any) -> None:
                 "pulled", "receiver",
                 {"tensors": s.tensors, "identical": identical, "mismatched": mismatched, "bytes": s.bytes_pulled,
                  "seconds": s.seconds, "gbps": s.gbps, "descriptors": s.descriptors,
-                 "new_registrations": s.new_registrations},
+                 "new_registrations": s.new_registrations, "transport": s.transport,
+                 "handles_opened": s.handles_opened},
             ))
         receiver.close()
     except BaseException as exc:
@@ -165,7 +169,7 @@ def _expect(results: Any, kind: str, count: int) -> list[Any]:
     return got
 
 
-def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print) -> dict[str, Any]:
+def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print, transport: str = "auto") -> dict[str, Any]:
     """Run the demo and return the summary dict printed by ``--json``."""
     from mx_refit.catalog.server import start_embedded
 
@@ -174,11 +178,11 @@ def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print)
     trainer_queues = [ctx.Queue() for _ in range(trainers)]
     receiver_queue = ctx.Queue()
     summary: dict[str, Any] = {"cycles": cycles, "tensors_per_cycle": 0, "identical": 0, "mismatched": 0,
-                               "bytes_per_cycle": 0, "gbps": []}
+                               "bytes_per_cycle": 0, "gbps": [], "transport": []}
     server = start_embedded()
-    procs = [ctx.Process(target=_trainer, args=(r, trainers, server.address, device, trainer_queues[r], results),
-                         name=f"mx-demo-trainer{r}") for r in range(trainers)]
-    procs.append(ctx.Process(target=_receiver, args=(server.address, device, receiver_queue, results),
+    procs = [ctx.Process(target=_trainer, args=(r, trainers, server.address, device, trainer_queues[r], results,
+                                                transport), name=f"mx-demo-trainer{r}") for r in range(trainers)]
+    procs.append(ctx.Process(target=_receiver, args=(server.address, device, receiver_queue, results, transport),
                              name="mx-demo-receiver"))
     try:
         for p in procs:
@@ -197,9 +201,11 @@ def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print)
             summary["identical"] += pulled["identical"]
             summary["mismatched"] += len(pulled["mismatched"])
             summary["gbps"].append(round(pulled["gbps"], 3))
+            summary["transport"].append(pulled["transport"])
             log(
                 f"cycle {cycle}/{cycles}: {pulled['tensors']} tensors, {pulled['bytes'] / 1e6:.1f} MB in "
-                f"{pulled['seconds']:.3f}s = {pulled['gbps']:.2f} GB/s over {pulled['descriptors']} descriptors; "
+                f"{pulled['seconds']:.3f}s = {pulled['gbps']:.2f} GB/s over {pulled['transport']} "
+                f"({pulled['descriptors']} descriptors, {pulled['handles_opened']} IPC handles opened); "
                 f"{pulled['identical']} identical, {len(pulled['mismatched'])} mismatched; "
                 f"new registrations {pulled['new_registrations']}; cycle wall {time.perf_counter() - started:.2f}s"
             )
@@ -220,6 +226,8 @@ def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print)
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where tensors live (default cpu)")
     parser.add_argument("--cycles", type=int, default=3, help="refit cycles (default 3)")
+    parser.add_argument("--transport", choices=("auto", "nixl", "cuda_ipc"), default="auto",
+                        help="weight_sync.transport: per-source choice (auto), or force one path")
     parser.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     parser.add_argument(
         "--model", metavar="HF_DIR", default=None,
@@ -258,13 +266,14 @@ def demo_main(args: argparse.Namespace) -> int:
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     if args.model:
         return megatron_demo(args, progress)
-    summary = run_demo(cycles=args.cycles, device=args.device, log=progress)
+    summary = run_demo(cycles=args.cycles, device=args.device, log=progress, transport=args.transport)
     if args.json:
         print(json.dumps(summary))
     else:
         print(
             f"{summary['cycles']} cycles x {summary['tensors_per_cycle']} tensors "
             f"({summary['bytes_per_cycle'] / 1e6:.1f} MB): {summary['identical']} identical, "
-            f"{summary['mismatched']} mismatched; GB/s per cycle {summary['gbps']}"
+            f"{summary['mismatched']} mismatched; GB/s per cycle {summary['gbps']}; "
+            f"path per cycle {summary['transport']}"
         )
     return 0 if summary["mismatched"] == 0 and summary["identical"] == summary["cycles"] * summary["tensors_per_cycle"] else 1
