@@ -136,9 +136,15 @@ def _cuda() -> _Driver:
 
 def device_uuid(device: int) -> bytes:
     """The 16-byte UUID of a CUDA device (what ``cuDeviceGetUuid`` returns)."""
+    import hashlib
+
     import torch
 
-    return torch.cuda.get_device_properties(device).uuid.bytes
+    uuid = torch.cuda.get_device_properties(device).uuid
+    raw = getattr(uuid, "bytes", None)  # a list of ints (torch's _CUuuid) or bytes
+    if raw is not None and len(raw) == UUID_BYTES:
+        return bytes(raw)
+    return hashlib.blake2b(str(uuid).encode(), digest_size=UUID_BYTES).digest()
 
 
 @dataclass
@@ -265,6 +271,8 @@ class CudaIpcTransport:
     def export(self, regions: Sequence[tuple[int, int]], device: int) -> CudaIpcExport | None:
         """The IPC export of CUDA ``regions`` on ``device`` (``None`` when the memory cannot be
         exported, e.g. expandable segments: readers then use NIXL)."""
+        if not self._node.boot_id:
+            return None  # readers could never prove they share this node
         with self._lock:
             out: list[IpcRegion] = []
             try:
