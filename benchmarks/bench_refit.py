@@ -130,6 +130,9 @@ def receiver_proc(address: str, device: str, cmd_q, res_q, transport: str = "aut
                                   "descriptors": s.descriptors, "new_registrations": s.new_registrations,
                                   "tensors": s.tensors, "plan_s": s.plan_seconds, "refit_wall_s": wall,
                                   "transport": s.transport, "handles_opened": s.handles_opened,
+                                  "device_copy_s": rec.transport.ipc().last_copy_s if s.transport == "cuda_ipc" else None,
+                                  "read_s": rec.transport.last_read_s,
+                                  "ipc_timing": dict(rec.transport.ipc().last_timing),
                                   "identical": bool(torch.equal(got, expected))}))
         for rec in receivers.values():
             rec.close()
@@ -274,7 +277,12 @@ def main() -> int:
                 print(f"{case} cycle {version}: {pulled['bytes'] / 2**30:.2f} GiB in {pulled['seconds'] * 1e3:.1f} ms "
                       f"= {pulled['gbps']:.1f} GB/s, {pulled['descriptors']} descriptors, "
                       f"new registrations {pulled['new_registrations']}, handles opened {pulled['handles_opened']}, "
-                      f"over {pulled['transport']}, identical={pulled['identical']}; whole refit "
+                      f"over {pulled['transport']}"
+                      + (f" (device copy {pulled['device_copy_s'] * 1e3:.2f} ms, transport read "
+                         f"{pulled['read_s'] * 1e3:.2f} ms: "
+                         + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in pulled["ipc_timing"].items()) + ")"
+                         if pulled["device_copy_s"] else "")
+                      + f", identical={pulled['identical']}; whole refit "
                       f"(discover, plan, lease, pull, release, materialize) {pulled['refit_wall_s'] * 1e3:.1f} ms",
                       flush=True)
             results["cases"][case] = {"tensors": len(sizes), "bytes": sum(sizes), "cycles": cycles}

@@ -373,6 +373,7 @@ def worker_main(index: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
                     "tensors": s.tensors, "descriptors": s.descriptors, "reads": len(plan.reads),
                     "sources": s.sources, "new_registrations": s.new_registrations,
                     "transport": s.transport, "handles_opened": s.handles_opened,
+                    "device_copy_s": rec.transport.ipc().last_copy_s if s.transport == "cuda_ipc" else None,
                     "arena_bytes": plan.arena_bytes, "check": report,
                 }))
             elif cmd == "close":

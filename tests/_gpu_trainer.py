@@ -68,8 +68,9 @@ def run(address: str, model: str, device: str, conn, extra_bytes: int = 2 << 20)
                 state = pub.publish(version, live)
                 source = pub.client.get_version(model=model, version=version).sources[0] \
                     if state.value == "READY" else None
+                handles = [r.handle for r in source.cuda_ipc.regions] if source and source.cuda_ipc else []
                 conn.send(("published", {"registrations": pub.transport.registrations,
-                                         "exported": source is not None and source.cuda_ipc is not None,
+                                         "exported": bool(handles), "handles": handles,
                                          "ptrs": [t.tensor.data_ptr() for t in live]}))
             elif cmd == "drain":
                 pub.wait_drained(arg, timeout_s=30)
@@ -78,6 +79,7 @@ def run(address: str, model: str, device: str, conn, extra_bytes: int = 2 << 20)
                 # After a drain: offload (free) every parameter, then allocate afresh.
                 released = pub.release_buffers()
                 old = [t.tensor.data_ptr() for t in live]
+                t = None  # the last loop variable would keep one parameter's storage alive
                 del live
                 torch.cuda.empty_cache()
                 hold = torch.empty(arg, dtype=torch.uint8, device=device)  # shifts the new addresses

@@ -109,10 +109,18 @@ def test_reallocation_after_a_drain_exports_new_handles_the_reader_follows(train
         assert second["registrations"] == first["registrations"] + 2
         result = rec.refit(2)
         check(result, 6)
-        assert result.stats.handles_opened >= 1 and result.stats.transport == "cuda_ipc"
+        before, after = set(first["handles"]), set(second["handles"])
+        assert before and after and not before & after  # freed and allocated afresh: new handles
+        assert result.stats.transport == "cuda_ipc"
+        assert result.stats.handles_opened == len(after)
         cache = rec.transport.ipc()._cache
-        assert cache is not None and cache.closed >= 1  # the old allocation's mapping is gone
-        assert len(cache) <= 2
+        assert cache is not None and cache.closed == len(before)  # the old allocations' mappings are gone
+        assert len(cache) == len(after)
+        trainer.do("drain", 2, "drained")
+        trainer.do("publish", (3, 7), "published")
+        again = rec.refit(3)
+        check(again, 7)
+        assert again.stats.handles_opened == 0
 
 
 def test_a_dead_source_is_named_and_the_engine_keeps_its_weights(trainer, mx_catalog, mx_model_name):

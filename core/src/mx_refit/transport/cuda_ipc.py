@@ -261,6 +261,10 @@ class CudaIpcTransport:
         self._node: LocalNode = local_node()
         self.copies = 0
         self.bytes_read = 0
+        self.last_copy_s = 0.0
+        self.last_timing: dict[str, float] = {}
+        # source_id -> (request list, its key, device copies, bytes): a cycle's translation
+        self._translated: dict[str, tuple[Any, Any, list[tuple[int, int, int]], int]] = {}
         self._closed = False
 
     @property
@@ -338,6 +342,7 @@ class CudaIpcTransport:
     ) -> ReadReport:
         import torch
 
+        t0 = time.perf_counter()
         driver.bind(dev)
         if self._cache is None:
             self._cache = HandleCache(driver.open, driver.close)
@@ -355,26 +360,49 @@ class CudaIpcTransport:
                     bases = self._cache.bases(source_id, export.regions)
                 except TransferError as exc:
                     raise TransferError(f"source {source_id}: {exc}", source_id=source_id) from exc
-            copies.extend(translate(ranges, export.regions, bases, arena.data_ptr()))
-            nbytes[source_id] = sum(n for _, _, n in ranges)
-        stream = self._streams.get(dev)
-        if stream is None:
-            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+            # The receiver hands the same (cached) request list every cycle: translate it once.
+            key = (arena.data_ptr(), tuple(sorted(bases.items())), export.regions)
+            cached = self._translated.get(source_id)
+            if cached is None or cached[0] is not ranges or cached[1] != key:
+                cached = self._translated[source_id] = (
+                    ranges, key, translate(ranges, export.regions, bases, arena.data_ptr()),
+                    sum(n for _, _, n in ranges),
+                )
+            copies.extend(cached[2])
+            nbytes[source_id] = cached[3]
+        stream_events = self._streams.get(dev)
+        if stream_events is None:
+            stream_events = self._streams[dev] = (
+                torch.cuda.Stream(device=dev), torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            )
+        stream, begin, end = stream_events
         # Copies wait for whatever the arena's users queued before this refit.
         stream.wait_stream(torch.cuda.current_stream(dev))
         handle = ctypes.c_void_p(stream.cuda_stream)
         memcpy = driver.memcpy_async
+        t1 = time.perf_counter()
+        begin.record(stream)
         for src, dst, n in copies:
             rc = memcpy(dst, src, n, handle)
             if rc:
                 driver.check(rc, f"cuMemcpyAsync of {n} bytes")
-        stream.synchronize()
+        end.record(stream)
+        t2 = time.perf_counter()
+        # Poll rather than block: a blocking wait wakes up ~0.1 ms late, a tenth of a 10,000 x
+        # 256 KiB pull. The poll lasts only as long as the copies.
+        while not end.query():
+            pass
+        stream.synchronize()  # returns at once; raises what the copies raised
+        t3 = time.perf_counter()
+        self.last_copy_s = begin.elapsed_time(end) / 1e3  # the copies alone, on the device
         for source_id in requests:  # died while we copied: its bytes are not trusted
             export = sources[source_id].cuda_ipc
             assert export is not None
             self._check_alive(source_id, export)
         self.copies += len(copies)
         self.bytes_read += sum(nbytes.values())
+        self.last_timing = {"prepare_s": t1 - t0, "enqueue_s": t2 - t1, "wait_s": t3 - t2,
+                            "check_s": time.perf_counter() - t3}
         return ReadReport(nbytes, {s: CUDA_IPC for s in requests}, len(copies),
                           self._cache.opened - opened_before)
 
@@ -395,6 +423,7 @@ class CudaIpcTransport:
     def forget(self, source_id: str) -> None:
         """Close the handles of a source that expired or was replaced."""
         with self._lock:
+            self._translated.pop(source_id, None)
             if self._cache is not None:
                 self._cache.forget(source_id)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,7 @@ class RoutingTransport:
         self.registrations = 0  # regions newly pinned (publish: published buffers; read: arena)
         self.descriptors_posted = 0  # NIXL descriptors plus device copies
         self.handles_opened = 0
+        self.last_read_s = 0.0  # wall time of the last read() (benchmarks split the pull with it)
 
     # ------------------------------------------------------------------ parts
     @property
@@ -264,6 +266,7 @@ class RoutingTransport:
         """Read ``(remote addr, arena offset, n)`` ranges (coalesced and cut at the sources'
         region edges by the caller) from every source into ``arena``; CUDA IPC sources and NIXL
         sources are read in one call each."""
+        started = time.perf_counter()
         with self._lock:
             self._check_open()
             by_path: dict[str, dict[str, Sequence[Range]]] = {NIXL: {}, CUDA_IPC: {}}
@@ -291,6 +294,7 @@ class RoutingTransport:
                 descriptors += posted
             self.descriptors_posted += descriptors
             self.handles_opened += opened
+            self.last_read_s = time.perf_counter() - started
             return ReadReport(nbytes, paths, descriptors, opened)
 
     def _read_nixl(
