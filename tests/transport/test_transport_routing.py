@@ -223,3 +223,11 @@ def test_local_node_identity_is_this_process() -> None:
 
     node = local_node()
     assert node.pid == os.getpid() and node.host_name
+
+
+def test_config_names_a_bad_transport() -> None:
+    from mx_refit.config import WeightSyncConfig, validate
+
+    assert validate(WeightSyncConfig()).transport == "auto"
+    with pytest.raises(InvalidArgument, match=r"weight_sync.transport: 'grpc'"):
+        validate(WeightSyncConfig(transport="grpc"))
