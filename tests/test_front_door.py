@@ -184,7 +184,7 @@ def _every_key_set(address: str) -> WeightSyncConfig:
                               advertise_host="localhost", token=None),
         transfer_timeout_s=7.0, lease_ttl_s=9.0, source_ttl_s=6.0, drain_timeout_s=8.0, full_tensors=False,
         plugins=[], role_overrides=[RoleOverrideConfig(role="row", pattern="*.fc2.weight")],
-        plugin_settings={"myplugin": {"knob": 1}},
+        plugin_settings={"myplugin": {"knob": 1}}, transport="nixl",
     )
 
 
@@ -202,6 +202,7 @@ CONSUMED = {
     "plugins": "Hooks(allow=...)",
     "role_overrides": "Hooks.role_overrides() via configure",
     "plugin_settings": "Hooks.configure settings",
+    "transport": "Publisher/Receiver transport_mode (the routing transport's mode)",
 }
 CATALOG_CONSUMED = {"mode", "address", "host", "port", "advertise_host", "token"}
 
@@ -218,6 +219,7 @@ def test_every_config_key_is_consumed(mx_catalog):
     try:
         assert (pub.model, pub.ttl_s, pub.drain_timeout_s) == ("every-key", 6.0, 8.0)
         assert (rec.model, rec.transfer_timeout_s, rec.lease_ttl_s) == ("every-key", 7.0, 9.0)
+        assert pub.transport.mode == rec.transport.mode == "nixl"
         assert rec.target == TargetLayout(full_tensors=False)
         assert seen.settings[-1] == as_dict(cfg) and seen.settings[-1]["plugin_settings"] == {"myplugin": {"knob": 1}}
         overrides = hooks.role_overrides()  # the plugin's rule, then the config's
