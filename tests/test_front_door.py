@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import mx_refit
 import pytest
 import torch
-
-import mx_refit
 from mx_refit import hookimpl
 from mx_refit.catalog import CatalogClient, CatalogService
 from mx_refit.config import CatalogConfig, RoleOverrideConfig, WeightSyncConfig, as_dict, load_config

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from mx_refit import hookimpl
 from mx_refit.catalog.client import CatalogClient
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound

@@ -15,7 +15,7 @@ def readme_python(heading: str) -> str:
     text = (ROOT / "README.md").read_text()
     assert f"\n## {heading}\n" in text, f"README has no section {heading!r}"
     section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     assert blocks, f"README section {heading!r} has no python block"
     return blocks[0]
 
@@ -24,11 +24,11 @@ def test_publishing_from_megatron_core_runs_as_written(tmp_path):
     """On a real Megatron-Core rank (CPU, gloo, Megatron-Bridge) against an embedded gRPC catalog:
     every step's refit receives the model's weights as they were at that step, byte for byte."""
     pytest.importorskip("megatron.core")
+    import mx_refit
     import torch
+    from mx_refit.verify.harness import launch_ranks
     from safetensors.torch import load_file
 
-    import mx_refit
-    from mx_refit.verify.harness import launch_ranks
     from tests.fixtures.megatron_jobs import readme_publish_job
     from tests.fixtures.tiny_hf import build_tiny_hf
 

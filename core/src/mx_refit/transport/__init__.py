@@ -10,6 +10,7 @@ handed its result shares one agent (one set of registrations, one connection per
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import uuid
@@ -74,8 +75,8 @@ def shared_transport() -> "RoutingTransport":
 def _close_shared(transport: "RoutingTransport") -> None:
     try:
         transport.close()
-    except Exception:  # interpreter exit: nothing left to report to
-        pass
+    except Exception:  # noqa: BLE001  # interpreter exit: report, never raise
+        logging.getLogger(__name__).debug("closing the shared transport at exit failed", exc_info=True)
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +25,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "RankFailed",
     "apply_cpu_shims",
     "build_model_from_hf",
-    "RankFailed",
     "destroy_distributed",
     "free_port",
     "init_distributed",

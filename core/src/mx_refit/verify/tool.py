@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mx_refit.verify.expect import checkpoint_dtype, checkpoint_index, compare_received, expected_windows
 from mx_refit.types import TargetLayout
+from mx_refit.verify.expect import checkpoint_dtype, checkpoint_index, compare_received, expected_windows
 
 __all__ = ["VerifyRun", "add_verify_arguments", "run_verify", "verify_from_args", "verify_main"]
 
@@ -88,10 +88,13 @@ def _source_rank(rank: int, run: VerifyRun, port: int, address: str, model: str,
         from mx_refit.megatron.collect import collect_for_publish
         from mx_refit.megatron.parallel import ParallelContext
         from mx_refit.plugins import Hooks
-        from mx_refit.verify.harness import (
-            build_model_from_hf, destroy_distributed, init_distributed, init_model_parallel,
-        )
         from mx_refit.publisher import Publisher
+        from mx_refit.verify.harness import (
+            build_model_from_hf,
+            destroy_distributed,
+            init_distributed,
+            init_model_parallel,
+        )
 
         init_distributed(rank, run.world, master_port=port, device=run.device, timeout_s=run.timeout_s)
         init_model_parallel(run.source_tp, run.source_pp, run.source_ep)

@@ -242,8 +242,9 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             self.publisher.wait_drained(v, timeout_s=self.info.drain_timeout_s)
         else:
             # Covers rank 0's whole round: READY wait, the workers' pull and load, then the drain.
+            info = self.info
             self.publisher.wait_retired(
-                v, timeout_s=self.info.ready_timeout_s + self.info.update_timeout_s + self.info.drain_timeout_s
+                v, timeout_s=info.ready_timeout_s + info.update_timeout_s + info.drain_timeout_s
             )
         self.next_version = v + 1
 
