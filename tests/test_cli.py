@@ -53,7 +53,7 @@ def test_serve_binds_loopback_and_enforces_the_token():
         proc.terminate()
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
-    assert f"127.0.0.1:{port}" in output  # it says where it listens
+    assert f"mx-refit catalog listening on 127.0.0.1:{port}" in output  # it says where it listens
 
 
 def test_verify_is_dispatched_with_its_public_arguments(tmp_path):
@@ -64,9 +64,91 @@ def test_verify_is_dispatched_with_its_public_arguments(tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2
-    assert f"--hf-dir {str(missing)!r} is not a directory" in out.stderr
+    assert out.stderr.strip() == f"mx-refit: error: verify: --hf-dir {str(missing)!r} does not exist"
+    assert out.stdout == ""
     help_text = subprocess.run(
         [sys.executable, "-m", "mx_refit.cli", "verify", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     for flag in ("--hf-dir", "--source-tp", "--source-pp", "--source-ep", "--target-tp", "--target-ep", "--device", "--json"):
         assert flag in help_text
+
+
+def _start_serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
+    """`mx-refit serve --json ...`; returns the process and its one JSON line."""
+    import json
+    import os
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mx_refit.cli", "serve", "--port", "0", "--json", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+    )
+    line = proc.stdout.readline()  # bounded: the test's own timeout
+    assert line, proc.stderr.read() if proc.poll() is not None else "no output"
+    return proc, json.loads(line)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    proc.terminate()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out == "", out  # nothing after the one JSON line
+    return err
+
+
+@pytest.mark.timeout(120)
+def test_serve_json_line_health_service_and_token_from_the_environment():
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    proc, info = _start_serve(env={"MX_REFIT_TOKEN": "from-env"})
+    try:
+        assert info["port"] > 0 and info["address"] == f"127.0.0.1:{info['port']}"
+        assert info["token"] is True and info["health"] == "grpc.health.v1.Health" and info["metrics"] is None
+        with grpc.insecure_channel(info["address"]) as channel:  # probes carry no token
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "mx_refit.catalog.v1.CatalogService"):
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with CatalogClient(info["address"], token="from-env", timeout_s=5, retries=0) as client:
+            assert client.list_versions("nothing-here") == []
+        with CatalogClient(info["address"], token=None, timeout_s=5, retries=0) as client:
+            with pytest.raises(Unauthenticated):
+                client.list_versions("nothing-here")
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.timeout(120)
+def test_serve_token_file(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    proc, info = _start_serve("--token-file", str(token_file))
+    try:
+        with CatalogClient(info["address"], token="from-file", timeout_s=5, retries=0) as client:
+            assert client.list_versions("nothing-here") == []
+    finally:
+        _stop(proc)
+
+
+def test_version_and_log_level_anywhere():
+    from mx_refit import __version__
+
+    out = subprocess.run([sys.executable, "-m", "mx_refit.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"mx-refit {__version__}"
+    for argv in (["--log-level", "debug", "plugins", "--json"], ["plugins", "--json", "--log-level", "DEBUG"]):
+        out = subprocess.run([sys.executable, "-m", "mx_refit.cli", *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert isinstance(__import__("json").loads(out.stdout), list)
+
+
+def test_plugins_lists_what_loaded_and_the_hooks(monkeypatch):
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "mx_refit.cli", "plugins", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    listing = {entry["name"]: entry for entry in json.loads(out.stdout)}
+    assert "mx_refit_collect_tensors" in listing["mx_refit.builtin"]["hooks"]
+    assert "mx_refit_build_sidecar" in listing["mx_refit.layout.plugin"]["hooks"]
+    text = subprocess.run([sys.executable, "-m", "mx_refit.cli", "plugins"], capture_output=True, text=True, timeout=60)
+    assert "mx_refit.builtin (built-in): " in text.stdout

@@ -41,7 +41,7 @@ from mx_refit.types import (
     VersionState,
 )
 
-__version__ = "0.1.0"
+from mx_refit._version import __version__
 
 hookimpl = pluggy.HookimplMarker("mx_refit")
 """Marker for plugin hook implementations: ``@mx_refit.hookimpl``."""

@@ -41,7 +41,10 @@ __all__ = [
     "validate",
 ]
 
-RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+# Wheels ship the top-level recipes/ folder as mx_refit/recipes (see setup.py); a source checkout
+# reads it in place.
+_PACKAGED_RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPES_DIR = _PACKAGED_RECIPES if _PACKAGED_RECIPES.is_dir() else Path(__file__).resolve().parents[3] / "recipes"
 
 
 @dataclass

@@ -77,14 +77,16 @@ def fill_pattern(tensor: Any, name: str, cycle: int) -> None:
 
 def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, results: Any,
              transport: str = "auto") -> None:
-    import math
-
-    import torch
-
-    from mx_refit.publisher import Publisher
-    from mx_refit.types import MeshPosition, PublishedTensor
-
     try:
+        import math
+
+        import torch
+
+        from mx_refit._logsetup import configure_child
+        from mx_refit.publisher import Publisher
+        from mx_refit.types import MeshPosition, PublishedTensor
+
+        configure_child()
         dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu")
         owned = _owner_split(synthetic_llama(), ranks)[rank]
         # One flat buffer with a view per parameter, as Megatron's DDP keeps them: one region to
@@ -118,11 +120,13 @@ def _trainer(rank: int, ranks: int, address: str, device: str, commands: Any, re
 
 
 def _receiver(address: str, device: str, commands: Any, results: Any, transport: str = "auto") -> None:
-    import torch
-
-    from mx_refit.receiver import Receiver
-
     try:
+        import torch
+
+        from mx_refit._logsetup import configure_child
+        from mx_refit.receiver import Receiver
+
+        configure_child()
         dev = f"cuda:{torch.cuda.device_count() - 1}" if device == "cuda" else "cpu"
         receiver = Receiver(address, MODEL_NAME, device=dev, transport_mode=transport)
         expected = {}
@@ -154,13 +158,26 @@ def _receiver(address: str, device: str, commands: Any, results: Any, transport:
         results.put(("error", "receiver", f"receiver: {type(exc).__name__}: {exc}"))
 
 
-def _expect(results: Any, kind: str, count: int) -> list[Any]:
+# How often the parent looks at its children while it waits for them.
+_POLL_S = 0.5
+
+
+def _expect(results: Any, kind: str, count: int, procs: list[Any]) -> list[Any]:
+    """Wait for ``count`` ``kind`` messages; a child that dies is noticed within a second."""
     got = []
+    deadline = time.monotonic() + STEP_TIMEOUT_S
     while len(got) < count:
         try:
-            what, who, payload = results.get(timeout=STEP_TIMEOUT_S)
+            what, who, payload = results.get(timeout=_POLL_S)
         except queue.Empty:
-            raise RuntimeError(f"timed out waiting for {kind!r} from the demo processes") from None
+            dead = [p for p in procs if p.exitcode is not None]
+            if dead and results.empty():
+                p = dead[0]
+                raise RuntimeError(f"demo process {p.name} exited (code {p.exitcode}) before reporting {kind!r}; "
+                                   "its stderr above says why")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {STEP_TIMEOUT_S:.0f}s waiting for {kind!r} from the demo processes")
+            continue
         if what == "error":
             raise RuntimeError(payload)
         if what != kind:
@@ -188,14 +205,14 @@ def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print,
         for p in procs:
             p.start()
         log(f"catalog at {server.address}; starting {trainers} trainers and 1 receiver on {device}")
-        _expect(results, "ready", trainers + 1)
+        _expect(results, "ready", trainers + 1, procs)
         for cycle in range(1, cycles + 1):
             started = time.perf_counter()
             for q in trainer_queues:
                 q.put(("publish", cycle))
-            _expect(results, "published", trainers)
+            _expect(results, "published", trainers, procs)
             receiver_queue.put(("pull", cycle))
-            (pulled,) = _expect(results, "pulled", 1)
+            (pulled,) = _expect(results, "pulled", 1, procs)
             summary["tensors_per_cycle"] = pulled["tensors"]
             summary["bytes_per_cycle"] = pulled["bytes"]
             summary["identical"] += pulled["identical"]
@@ -250,6 +267,9 @@ def megatron_demo(args: argparse.Namespace, log) -> int:
         targets=tuple((tp, 1) for tp in args.target_tp), device=args.device,
     )
     summaries = run_verify(run, log=log)
+    failed = [summary["error"] for summary in summaries.values() if "error" in summary]
+    if failed:
+        raise RuntimeError(f"the Megatron refit failed: {failed[0]}")
     ok = True
     for (tp, _), summary in summaries.items():
         pulled, needed = summary["bytes_pulled"], summary["bytes_needed"]
@@ -262,8 +282,28 @@ def megatron_demo(args: argparse.Namespace, log) -> int:
     return 0 if ok else 1
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """Everything that can be checked before a process starts (raises InvalidArgument/MissingExtra)."""
+    from mx_refit import preflight as checks
+    from mx_refit.plugins import Hooks
+
+    checks.check_counts(cycles=args.cycles, source_tp=args.source_tp, source_ep=args.source_ep)
+    for tp in args.target_tp:
+        checks.check_counts(target_tp=tp)
+    if args.model:
+        checks.require_megatron_stack()
+        config = checks.read_hf_config(args.model, "--model")
+        checks.check_layouts(config, source_tp=args.source_tp, source_ep=args.source_ep,
+                             targets=[(tp, 1) for tp in args.target_tp])
+    else:
+        checks.require_transport()
+    checks.check_device(args.device)
+    Hooks().pm  # loads the plugins here, so an unknown or broken one fails before any process starts
+
+
 def demo_main(args: argparse.Namespace) -> int:
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
+    preflight(args)
     if args.model:
         return megatron_demo(args, progress)
     summary = run_demo(cycles=args.cycles, device=args.device, log=progress, transport=args.transport)

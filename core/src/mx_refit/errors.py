@@ -11,6 +11,7 @@ __all__ = [
     "CoverageError",
     "FailedPrecondition",
     "InvalidArgument",
+    "MissingExtra",
     "MxRefitError",
     "NotFound",
     "TransferError",
@@ -62,3 +63,49 @@ class CoverageError(MxRefitError):
     def __init__(self, message: str, *, gaps: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.gaps = gaps or []
+
+
+# Top-level module -> the extra of the ``mx-refit`` distribution that installs it.
+EXTRA_OF_MODULE = {
+    "torch": "transport",
+    "nixl": "transport",
+    "nixl_cu12": "transport",
+    "nixl_cu13": "transport",
+    "megatron": "megatron",
+    "transformers": "megatron",
+    "safetensors": "megatron",
+    "hydra": "recipes",
+    "omegaconf": "recipes",
+    "prometheus_client": "metrics",
+}
+
+
+class MissingExtra(MxRefitError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it."""
+
+    def __init__(self, module: str, extra: str, purpose: str = "") -> None:
+        need = f" (needed {purpose})" if purpose else ""
+        super().__init__(f"{module} is not installed{need}; install `mx-refit[{extra}]`", name=module)
+        self.extra = extra
+
+
+def missing_extra(exc: ImportError, purpose: str = "") -> MissingExtra | None:
+    """The :class:`MissingExtra` for an ImportError of an optional dependency, else None."""
+    if isinstance(exc, MissingExtra):
+        return exc
+    top = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    return MissingExtra(top, extra, purpose) if extra else None
+
+
+def require(*modules: str, purpose: str = "") -> None:
+    """Raise :class:`MissingExtra` unless every module can be found (imports nothing)."""
+    import importlib.util
+
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MissingExtra(module, EXTRA_OF_MODULE.get(module.split(".")[0], "transport"), purpose)

@@ -5,10 +5,14 @@ Loading is lazy (first hook call), happens once per :class:`Hooks`, and is contr
 - ``allow`` (``Hooks(allow=...)``, from ``weight_sync.plugins``): the same allow-list, from a
   config; the environment variable wins when both are set.
 - ``MX_REFIT_PLUGINS``: comma-separated allow-list of entry-point names. Only these load, and
-  one that cannot be found or imported raises :class:`PluginLoadError`. Unset: every installed
-  plugin loads; one that fails to import is skipped with a warning.
+  one that cannot be found or imported raises :class:`PluginLoadError`. Set but empty: no
+  third-party plugin loads (the built-ins always do). Unset: every installed plugin loads; one
+  that fails to import is skipped with a warning.
 - ``MX_REFIT_DISABLE_PLUGINS``: comma-separated block-list (wins over the allow-list).
-- ``MX_REFIT_TRACE_PLUGINS=1``: log every hook call and result at DEBUG level.
+- ``MX_REFIT_TRACE_PLUGINS=1``: log every hook call and result (logger ``mx_refit.plugins.trace``,
+  which is then set to DEBUG so the trace shows whatever the root level).
+- ``MX_REFIT_METRICS_PORT``: also register :class:`mx_refit.metrics.RefitMetrics` and serve
+  Prometheus metrics on that port (needs ``mx-refit[metrics]``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "Hooks", "PluginLoadError", "get_plugin_manager"]
 
 log = logging.getLogger(__name__)
+trace_log = logging.getLogger(f"{__name__}.trace")
 
 ENTRY_POINT_GROUP = PROJECT_NAME
 # Built-in behaviour is itself plugins, registered before third-party ones (pytest's idiom).
@@ -53,8 +58,9 @@ class PluginLoadError(RuntimeError):
 
 
 def _env_names(var: str) -> set[str] | None:
+    """The names in ``var``; None when it is unset (an empty value is the empty set)."""
     raw = os.environ.get(var)
-    if raw is None or not raw.strip():
+    if raw is None:
         return None
     return {name.strip() for name in raw.split(",") if name.strip()}
 
@@ -105,12 +111,19 @@ def load_plugins(pm: pluggy.PluginManager, allow: "Iterable[str] | None" = None)
         missing = sorted(allowed - found - blocked - set(BUILTIN_PLUGINS))
         if missing:
             raise PluginLoadError(
-                f"{allow_source} names {missing} but no installed distribution provides them in the "
+                f"{allow_source} names unknown plugin(s) {missing}: no installed distribution provides them in the "
                 f"{ENTRY_POINT_GROUP!r} entry-point group (installed: {sorted(found) or 'none'})"
             )
+    from mx_refit.metrics import METRICS_PORT_ENV, refit_metrics_from_env
+
+    if os.environ.get(METRICS_PORT_ENV, "").strip() and "mx_refit.metrics" not in blocked:
+        metrics = refit_metrics_from_env()
+        if metrics is not None and pm.get_plugin("mx_refit.metrics") is None:
+            pm.register(metrics, name="mx_refit.metrics")
     pm.check_pending()
     if os.environ.get(TRACE_ENV, "").strip() not in ("", "0"):
-        pm.trace.root.setwriter(log.debug)
+        trace_log.setLevel(logging.DEBUG)
+        pm.trace.root.setwriter(lambda message: trace_log.debug(message.rstrip()))
         pm.enable_tracing()
 
 
@@ -152,6 +165,25 @@ class Hooks:
 
     def unregister(self, plugin: object) -> None:
         self.pm.unregister(plugin)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What loaded: ``[{"name", "distribution", "version", "hooks"}]`` in registration order
+        (built-ins first), each with the hooks it implements."""
+        pm = self.pm
+        dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+        listing = []
+        for name, plugin in pm.list_name_plugin():
+            if plugin is None:  # blocked
+                continue
+            dist = dists.get(id(plugin))
+            hooks = sorted(caller.name for caller in pm.get_hookcallers(plugin) or ())
+            listing.append({
+                "name": name,
+                "distribution": dist.project_name if dist is not None else None,
+                "version": dist.version if dist is not None else None,
+                "hooks": hooks,
+            })
+        return listing
 
     # -- configuration ------------------------------------------------------------------------
     def configure(self, settings: dict[str, Any]) -> None:

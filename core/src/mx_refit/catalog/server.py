@@ -4,6 +4,9 @@
 * :func:`start_embedded` is the in-process default: loopback, ephemeral port.
 * :func:`serve_forever` backs ``mx-refit serve``: runs until SIGINT/SIGTERM.
 
+Every server also carries the standard gRPC health service (``grpc.health.v1.Health``), which
+answers without the token so that load balancers and Kubernetes probes can use it.
+
 The token travels as ``authorization: Bearer <token>`` metadata over a plaintext channel: it
 guards against stray clients, not against an attacker on the network. Bind to loopback (the
 default) or to an isolated cluster network.
@@ -64,6 +67,9 @@ def routable_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# The name the standard health service reports the catalog under ("" is the whole server).
+HEALTH_SERVICE_NAME = "mx_refit.catalog.v1.CatalogService"
 
 
 def format_address(host: str, port: int) -> str:
@@ -91,6 +97,8 @@ class _BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if handler_call_details.method.startswith(_HEALTH_PREFIX):  # probes carry no token
+            return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 presented = value.encode() if isinstance(value, str) else bytes(value)
@@ -142,6 +150,7 @@ class CatalogServer:
         self._stopping = threading.Event()
         self._reaper: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._health: Any = None
 
     @property
     def address(self) -> str:
@@ -181,13 +190,14 @@ class CatalogServer:
             catalog_pb2_grpc.add_CatalogServiceServicer_to_server(  # type: ignore[no-untyped-call]
                 CatalogServicer(self.service, stopping=self._stopping), server
             )
+            self._health = _add_health_service(server)
             wanted = format_address(self.host or "0.0.0.0", self._port)
             try:
                 port = server.add_insecure_port(wanted)
             except RuntimeError as exc:
                 raise OSError(f"cannot bind the catalog server to {wanted}: {exc}") from None
             if port == 0:  # older grpc reports bind failures this way
-                raise OSError(f"cannot bind the catalog server to {wanted}")
+                raise OSError(f"cannot bind the catalog server to {wanted} (is the port already in use?)")
             self._port = port
             server.start()
             self._server = server
@@ -208,6 +218,8 @@ class CatalogServer:
             reaper, self._reaper = self._reaper, None
         if server is None:
             return
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight calls finish
         self._stopping.set()
         server.stop(grace).wait()
         if reaper is not None:
@@ -249,6 +261,17 @@ class CatalogServer:
                 )
             if report.leases:
                 logger.info("catalog: %d reader lease(s) expired", len(report.leases))
+
+
+def _add_health_service(server: grpc.Server) -> Any:
+    """The standard ``grpc.health.v1.Health`` service: SERVING for "" and the catalog."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servicer = health.HealthServicer()
+    for name in ("", HEALTH_SERVICE_NAME):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
 
 
 def start_embedded(token: str | None = None, **kwargs: Any) -> CatalogServer:
@@ -301,20 +324,43 @@ def serve_forever(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     stop_event: threading.Event | None = None,
     grace_s: float = 5.0,
+    metrics_port: int | None = None,
+    on_listening: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Run a catalog server until SIGINT/SIGTERM (or ``stop_event``), then stop cleanly.
 
-    Binds loopback unless told otherwise and logs the address it serves on. Signal handlers
+    Binds loopback unless told otherwise. Once it listens, ``on_listening`` gets
+    ``{"address", "host", "port", "token", "health", "metrics"}`` (``token``: whether one is
+    required; ``metrics``: the Prometheus URL with ``metrics_port``, else None). Signal handlers
     are installed only when called from the main thread, and restored on return.
     """
+    if not 0 <= port <= 65535:
+        raise InvalidArgument(f"port: {port} is out of range (0-65535; 0 picks a free port)")
     stop = stop_event if stop_event is not None else threading.Event()
+    metrics_url = None
+    if metrics_port is not None:
+        from mx_refit.metrics import require_prometheus
+
+        require_prometheus()  # before binding anything: a missing extra is a clean error
     server = CatalogServer(host, port, token, max_message_bytes).start()
+    metrics_server = None
+    try:
+        if metrics_port is not None:
+            from mx_refit.metrics import serve_catalog_metrics
+
+            metrics_server, metrics_url = serve_catalog_metrics(server.service, host, metrics_port)
+    except BaseException:
+        server.stop(0)
+        raise
     if host not in _LOOPBACK and token is None:
         logger.warning(
             "catalog on %s accepts unauthenticated calls from the network; set a token",
             server.address,
         )
     logger.info("mx-refit catalog serving on %s", server.address)
+    if on_listening is not None:
+        on_listening({"address": server.address, "host": host, "port": server.port, "token": token is not None,
+                      "health": "grpc.health.v1.Health", "metrics": metrics_url})
 
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -330,5 +376,7 @@ def serve_forever(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if metrics_server is not None:
+            metrics_server.shutdown()
         server.stop(grace_s)
         logger.info("mx-refit catalog on %s stopped", server.address)

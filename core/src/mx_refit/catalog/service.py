@@ -112,6 +112,16 @@ class CatalogService:
         # its descriptor tuple and digest instead of being hashed again.
         self._layouts: dict[str, Layout] = {}
 
+    def counts(self) -> dict[str, Any]:
+        """Point-in-time sizes for monitoring: models, versions by state, live sources and leases."""
+        with self._cond:
+            by_state = {state.name: 0 for state in VersionState}
+            for versions in self._models.values():
+                for rec in versions.values():
+                    by_state[rec.state.name] += 1
+            return {"models": len(self._models), "versions": by_state, "sources": len(self._sources),
+                    "leases": len(self._leases)}
+
     # --- publisher side -------------------------------------------------------------------
 
     def register_source(

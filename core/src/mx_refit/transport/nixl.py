@@ -79,6 +79,9 @@ def _load_nixl() -> tuple[Any, Any]:
             from nixl_cu13._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
         except ImportError:
             from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+    from mx_refit._logsetup import route_nixl_logs_to_stderr
+
+    route_nixl_logs_to_stderr()  # NIXL logs to stdout by default; stdout belongs to the caller
     return nixl_agent, nixl_agent_config
 
 

@@ -19,7 +19,9 @@ Prints one JSON object (a stable contract)::
     {"tensors", "identical", "mismatched", "missing", "bytes_pulled", "bytes_needed", "bytes_by_role"}
 
 and exits 0 only when every checkpoint tensor was received identical by every receiver that
-needs it (2 when the run itself failed; the object then also carries ``"error"``).
+needs it, 1 when some were not, 2 for a usage error (bad flag, or a layout that ``config.json``
+rules out: checked before any process starts), 3 for a missing optional dependency, and 4 when
+the run itself failed (the object then also carries ``"error"``, and stderr says why).
 """
 
 from __future__ import annotations
@@ -79,9 +81,14 @@ def _source_rank(rank: int, run: VerifyRun, port: int, address: str, model: str,
     import logging
     import warnings
 
+    from mx_refit._logsetup import configure_child
+    from mx_refit.plugins import TRACE_ENV
+
     _stdout_to_stderr()
     warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)  # Megatron/Bridge chatter would bury the progress lines
+    level = configure_child()
+    if level in (None, "WARNING") and os.environ.get(TRACE_ENV, "").strip() in ("", "0"):
+        logging.disable(logging.WARNING)  # Megatron/Bridge chatter would bury the progress lines
     try:
         import torch
 
@@ -120,7 +127,10 @@ def _source_rank(rank: int, run: VerifyRun, port: int, address: str, model: str,
 
 def _receiver_proc(targets: list[TargetLayout], run: VerifyRun, address: str, model: str, results: Any) -> None:
     """Refit each assigned target rank (its own Receiver and NIXL agent) and compare bytes."""
+    from mx_refit._logsetup import configure_child
+
     _stdout_to_stderr()
+    configure_child()
     try:
         from mx_refit.receiver import Receiver
 
@@ -319,14 +329,23 @@ def verify_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
     def fail(message: str) -> int:
         if parser is not None:
             parser.error(message)  # exits 2
-        print(f"mx-refit verify: error: {message}", file=sys.stderr)
+        print(f"mx-refit: error: verify: {message}", file=sys.stderr)
         return 2
 
-    for flag in ("source_tp", "source_pp", "source_ep", "target_tp", "target_ep"):
-        if getattr(args, flag) < 1:
-            return fail(f"--{flag.replace('_', '-')} must be >= 1")
-    if not os.path.isdir(args.hf_dir):
-        return fail(f"--hf-dir {args.hf_dir!r} is not a directory")
+    from mx_refit import preflight
+    from mx_refit.errors import InvalidArgument
+
+    try:  # everything config.json can tell, before any process starts
+        preflight.check_counts(source_tp=args.source_tp, source_pp=args.source_pp, source_ep=args.source_ep,
+                               target_tp=args.target_tp, target_ep=args.target_ep,
+                               receiver_procs=args.receiver_procs)
+        config = preflight.read_hf_config(args.hf_dir)
+        preflight.check_layouts(config, source_tp=args.source_tp, source_pp=args.source_pp,
+                                source_ep=args.source_ep, targets=[(args.target_tp, args.target_ep)])
+    except InvalidArgument as exc:
+        return fail(str(exc))
+    preflight.require_megatron_stack()  # MissingExtra names the extra to install
+    preflight.check_device(args.device)
     overrides: tuple[dict[str, Any], ...] = ()
     if args.role_overrides:
         from mx_refit.errors import ClassificationError
@@ -350,7 +369,9 @@ def verify_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
     summary = run_verify(run, log=lambda msg: print(msg, file=sys.stderr, flush=True))[(args.target_tp, args.target_ep)]
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2), flush=True)
     if "error" in summary:
-        return 2
+        cause = summary["error"].partition("\nTraceback")[0].strip().replace("\n", " | ")
+        print(f"mx-refit: error: verify failed: {cause}", file=sys.stderr, flush=True)
+        return 4
     ok = summary["identical"] == summary["tensors"] and not summary["mismatched"] and not summary["missing"]
     return 0 if ok else 1
 

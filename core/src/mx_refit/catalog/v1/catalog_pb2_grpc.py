@@ -5,7 +5,7 @@ import warnings
 
 from mx_refit.catalog.v1 import catalog_pb2 as mx__refit_dot_catalog_dot_v1_dot_catalog__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.82.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
