@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from mx_refit._version import __version__
 from mx_refit.errors import (
     ClassificationError,
     CoverageError,
@@ -40,8 +41,6 @@ from mx_refit.types import (
     VersionInfo,
     VersionState,
 )
-
-from mx_refit._version import __version__
 
 hookimpl = pluggy.HookimplMarker("mx_refit")
 """Marker for plugin hook implementations: ``@mx_refit.hookimpl``."""

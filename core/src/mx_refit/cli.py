@@ -56,10 +56,10 @@ def _port(text: str) -> int:
     return port
 
 
-def _common_options(suppress: bool) -> argparse.ArgumentParser:
+def _common_options(suppress: bool) -> _Parser:
     """Options accepted before and after the sub-command (``--log-level`` anywhere)."""
     default = argparse.SUPPRESS if suppress else None
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     from mx_refit._logsetup import LEVELS
 
     common.add_argument("--log-level", type=str.upper, choices=LEVELS, default=default,

@@ -164,7 +164,7 @@ _POLL_S = 0.5
 
 def _expect(results: Any, kind: str, count: int, procs: list[Any]) -> list[Any]:
     """Wait for ``count`` ``kind`` messages; a child that dies is noticed within a second."""
-    got = []
+    got: list[Any] = []
     deadline = time.monotonic() + STEP_TIMEOUT_S
     while len(got) < count:
         try:
@@ -174,9 +174,11 @@ def _expect(results: Any, kind: str, count: int, procs: list[Any]) -> list[Any]:
             if dead and results.empty():
                 p = dead[0]
                 raise RuntimeError(f"demo process {p.name} exited (code {p.exitcode}) before reporting {kind!r}; "
-                                   "its stderr above says why")
+                                   "its stderr above says why") from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {STEP_TIMEOUT_S:.0f}s waiting for {kind!r} from the demo processes")
+                raise RuntimeError(
+                    f"timed out after {STEP_TIMEOUT_S:.0f}s waiting for {kind!r} from the demo processes"
+                ) from None
             continue
         if what == "error":
             raise RuntimeError(payload)
@@ -298,7 +300,7 @@ def preflight(args: argparse.Namespace) -> None:
     else:
         checks.require_transport()
     checks.check_device(args.device)
-    Hooks().pm  # loads the plugins here, so an unknown or broken one fails before any process starts
+    Hooks().describe()  # loads the plugins here: an unknown or broken one fails before any process starts
 
 
 def demo_main(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ its lock, so a rejected request never touches catalog state.
 from __future__ import annotations
 
 import bisect
-
 import json
 import math
 import numbers

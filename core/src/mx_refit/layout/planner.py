@@ -256,7 +256,7 @@ class _Planner:
         role, gshape, dtype, _, lshape = sig
         vocab_like = role is _VOCAB
         if role is _EXPERT_COLUMN or role is _EXPERT_ROW:
-            eids = [first_tensors[i].extras.get("expert_id") for i in positions]
+            eids: list[Any] = [first_tensors[i].extras.get("expert_id") for i in positions]
             if None in eids:
                 eids = [parse_expert_id(names[i]) if e is None else e for e, i in zip(eids, positions)]
             lo, hi = self.owned

@@ -519,7 +519,7 @@ class NixlTransport:
                     merged = coalesce(ops) if merge else [(int(r), int(lo), int(n)) for r, lo, n in ops if n]
                 except ValueError as exc:
                     raise InvalidArgument(f"peer {key}: ops: {exc}") from exc
-                for remote, local, n in merged:
+                for _remote, local, n in merged:
                     if not self._covered(local_mem, local_dev, local, n):
                         raise InvalidArgument(
                             f"peer {key}: local range {local:#x}+{n} ({local_mem} device {local_dev}) "

@@ -116,8 +116,8 @@ def expected_windows(version: VersionInfo, target: TargetLayout,
     experts = int(cfg.get("num_moe_experts") or 0)
     descriptors: dict[str, Any] = {}
     for source in version.sources:
-        for desc in source.tensors:
-            descriptors.setdefault(desc.name, desc)
+        for published in source.tensors:
+            descriptors.setdefault(published.name, published)
     tp, rank = target.tp_size, target.tp_rank
 
     def owned(expert_id: int) -> bool:

@@ -47,7 +47,7 @@ def apply_cpu_shims() -> None:
         return
     # RotaryEmbedding.get_emb and GlobalMemoryBuffer.get_tensor call torch.cuda.current_device()
     # unconditionally; returning the CPU device keeps those tensors on the CPU.
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     _CPU_SHIMS_APPLIED = True
 
 
@@ -290,7 +290,7 @@ def launch_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 600.0)
                                      f"after {timeout_s:.0f}s") from None
                 dead = [p for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
                 if dead and results.empty():
-                    raise RankFailed(f"rank process exited with code {dead[0].exitcode} without a result")
+                    raise RankFailed(f"rank process exited with code {dead[0].exitcode} without a result") from None
                 continue
             if not ok:
                 raise RankFailed(f"rank {rank} failed: {value}")

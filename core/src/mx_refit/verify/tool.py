@@ -144,7 +144,7 @@ def _receiver_proc(targets: list[TargetLayout], run: VerifyRun, address: str, mo
                           reader_id=f"verify-tp{target.tp_rank}-ep{target.ep_rank}") as receiver:
                 result = receiver.refit(VERSION, wait_s=run.timeout_s)
                 expected = expected_windows(result.version, target, checkpoint_index(run.hf_dir))
-                report = compare_received(run.hf_dir, expected, result.tensors)
+                report: dict[str, Any] = compare_received(run.hf_dir, expected, result.tensors)
                 report.update(
                     bytes_pulled=result.stats.bytes_pulled,
                     bytes_needed=result.stats.bytes_needed,
@@ -224,7 +224,7 @@ class _Phase:
                                        f"({len(got)}/{count})") from None
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and self.results.empty():
-                    raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].exitcode}) without reporting")
+                    raise RuntimeError(f"{dead[0].name} died (exit code {dead[0].exitcode}) without reporting") from None
                 continue
             if what == "error":
                 raise RuntimeError(f"{who} failed: {payload}")

@@ -179,7 +179,8 @@ class NameCheck:
 
 def _sharded_dims_of(module: Any, param: Any) -> set[int]:
     """The parameter dims vLLM's TP loader narrows for this layer kind."""
-    output_dim, input_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+    output_dim: Any = getattr(param, "output_dim", None)
+    input_dim: Any = getattr(param, "input_dim", None)
     try:
         from vllm.model_executor.layers.linear import (
             ColumnParallelLinear,
