@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +14,8 @@ import pytest
 @pytest.mark.timeout(900)
 def test_demo_json_reports_every_tensor_identical():
     out = subprocess.run(
-        [sys.executable, "-m", "mx_refit.cli", "demo", "--json"], capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "mx_refit.cli", "demo", "--json"], capture_output=True, text=True, timeout=900,
+        env={**os.environ, "MX_REFIT_TRACE_PLUGINS": "1"},
     )
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout)  # the whole stdout: NIXL's and the children's logs go to stderr
@@ -26,6 +29,8 @@ def test_demo_json_reports_every_tensor_identical():
     assert summary["bytes_per_cycle"] > 300e6
     assert len(summary["gbps"]) == 3 and all(g > 0 for g in summary["gbps"])
     assert "cycle 3/3" in out.stderr  # progress goes to stderr when --json owns stdout
+    # the children inherit the logging set-up: the receiver's hook trace reaches stderr
+    assert re.search(r"mx_refit\.plugins\.trace: +mx_refit_refit_done \[hook\]", out.stderr), out.stderr[-3000:]
 
 
 @pytest.mark.timeout(900)

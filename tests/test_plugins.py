@@ -142,3 +142,22 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_empty_allow_list_loads_no_third_party_plugin(installed, monkeypatch):
+    installed(("good", "tests.plugin_samples.good"))
+    monkeypatch.setenv("MX_REFIT_PLUGINS", "")
+    names = {entry["name"] for entry in Hooks().describe()}
+    assert names == set(BUILTIN_PLUGINS)  # llm and vLLM read an empty list the same way
+
+
+def test_a_config_allow_list_applies_unless_the_environment_sets_one(installed, monkeypatch):
+    installed(("good", "tests.plugin_samples.good"), ("broken", "tests.plugin_samples.broken"))
+    listing = Hooks(allow=["good"]).describe()  # a recipe's weight_sync.plugins
+    good = next(entry for entry in listing if entry["name"] == "good")
+    assert good["hooks"] and all(hook.startswith("mx_refit_") for hook in good["hooks"])
+    assert "broken" not in {entry["name"] for entry in listing}
+    with pytest.raises(PluginLoadError, match=r"weight_sync.plugins names unknown plugin\(s\) \['nope'\]"):
+        Hooks(allow=["nope"]).pm
+    monkeypatch.setenv("MX_REFIT_PLUGINS", "")  # the operator's word wins: none
+    assert {entry["name"] for entry in Hooks(allow=["good"]).describe()} == set(BUILTIN_PLUGINS)

@@ -20,6 +20,10 @@ def configure(level: str) -> None:
     """Log to stderr at ``level`` in this process and in every child it spawns."""
     level = level.upper()
     os.environ[LOG_LEVEL_ENV] = level
+    if logging.getLevelName(level) > logging.INFO:
+        # gRPC's C core logs failures it also raises (e.g. a port in use) straight to stderr;
+        # the CLI reports them once, as one line. Must be set before grpc is imported.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     logging.basicConfig(level=level, format=_FORMAT, stream=sys.stderr, force=True)
     _nixl_level_like_ours()
 

@@ -195,7 +195,8 @@ class CatalogServer:
             try:
                 port = server.add_insecure_port(wanted)
             except RuntimeError as exc:
-                raise OSError(f"cannot bind the catalog server to {wanted}: {exc}") from None
+                cause = str(exc).split(";")[0]  # drop gRPC's "set GRPC_VERBOSITY" hint
+                raise OSError(f"cannot bind the catalog server to {wanted}: {cause} (is the port already in use?)") from None
             if port == 0:  # older grpc reports bind failures this way
                 raise OSError(f"cannot bind the catalog server to {wanted} (is the port already in use?)")
             self._port = port
