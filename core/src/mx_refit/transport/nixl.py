@@ -72,6 +72,9 @@ _AGENT_INIT_LOCK = threading.Lock()
 def _load_nixl() -> tuple[Any, Any]:
     """Import ``nixl_agent``/``nixl_agent_config``; the meta package first, then a bare variant
     (installing only ``nixl-cu12``/``nixl-cu13`` provides no ``nixl`` module)."""
+    from mx_refit.preflight import require_transport
+
+    require_transport()  # without torch or NIXL: MissingExtra, "install `mx-refit[transport]`"
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError:

@@ -1,0 +1,106 @@
+"""The built wheel, installed into a fresh venv with only its base dependencies (+ the `recipes`
+extra), as a user's `pip install` leaves it: no torch, no NIXL, no Megatron.
+
+It must give clear one-line messages naming the extra to install, never a hang or a traceback;
+the recipes load from the installed package; the catalog server runs on the base dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+QUICK_S = 60
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory) -> Path:
+    """A venv holding the wheel built from this checkout and its declared base deps."""
+    root = tmp_path_factory.mktemp("wheel")
+    dist = root / "dist"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = dist.glob("mx_refit-*.whl")
+    env_dir = root / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{wheel}[recipes]"],
+        capture_output=True, text=True, timeout=600, env=_clean_env(),
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    return env_dir
+
+
+def _clean_env() -> dict[str, str]:
+    """No PYTHONPATH: the venv must see only what pip installed into it."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MX_REFIT_CORE_PYTHON")}
+
+
+def run(env_dir: Path, *argv: str, timeout: float = QUICK_S) -> subprocess.CompletedProcess:
+    return subprocess.run([str(env_dir / "bin" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                          timeout=timeout, env=_clean_env(), cwd=env_dir)
+
+
+@pytest.mark.timeout(900)
+def test_the_wheel_without_torch_gives_clear_messages(wheel_venv, tmp_path):
+    from mx_refit import __version__
+
+    listing = run(wheel_venv, "python", "-m", "pip", "list", "--format=json")
+    installed = {entry["name"].lower().replace("_", "-") for entry in json.loads(listing.stdout)}
+    assert "mx-refit" in installed and "torch" not in installed and not any(n.startswith("nixl") for n in installed)
+
+    version = run(wheel_venv, "mx-refit", "--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"mx-refit {__version__}"
+
+    demo = run(wheel_venv, "mx-refit", "demo", "--json")
+    assert demo.returncode == 3 and demo.stdout == "", demo.stderr
+    assert demo.stderr.strip().splitlines() == [
+        "mx-refit: error: torch is not installed (needed to publish and receive tensors); install `mx-refit[transport]`"
+    ]
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4}))
+    (ckpt / "model.safetensors").write_bytes(b"")
+    verify = run(wheel_venv, "mx-refit", "verify", "--hf-dir", str(ckpt), "--json")
+    assert verify.returncode == 3 and "install `mx-refit[transport]`" in verify.stderr, verify.stderr
+    assert len(verify.stderr.strip().splitlines()) == 1
+
+    library = run(wheel_venv, "python", "-c",
+                  "from mx_refit.publisher import Publisher\n"
+                  "try:\n    Publisher('127.0.0.1:1', 'm')\n"
+                  "except ImportError as exc:\n    print(exc)\n")
+    assert library.returncode == 0, library.stderr
+    assert "install `mx-refit[transport]`" in library.stdout
+
+
+@pytest.mark.timeout(900)
+def test_the_wheel_ships_the_recipes_and_serves_the_catalog(wheel_venv):
+    recipe = run(wheel_venv, "python", "-c",
+                 "import mx_refit.config as c, sysconfig\n"
+                 "assert str(c.RECIPES_DIR).startswith(sysconfig.get_paths()['purelib']), c.RECIPES_DIR\n"
+                 "cfg = c.load_recipe('grpo-llama-8b-megatron-tp2-vllm-tp1')\n"
+                 "print(cfg.model_name)\n")
+    assert recipe.returncode == 0, recipe.stderr
+    assert recipe.stdout.strip() == "llama-8b"
+
+    serve = subprocess.Popen([str(wheel_venv / "bin" / "mx-refit"), "serve", "--port", "0", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=wheel_venv, env=_clean_env())
+    try:
+        info = json.loads(serve.stdout.readline())
+        assert info["port"] > 0 and info["health"] == "grpc.health.v1.Health"
+    finally:
+        serve.terminate()
+        _, err = serve.communicate(timeout=30)
+    assert serve.returncode == 0, err
