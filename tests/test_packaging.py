@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -25,8 +26,12 @@ def wheel_venv(tmp_path_factory) -> Path:
     """A venv holding the wheel built from this checkout and its declared base deps."""
     root = tmp_path_factory.mktemp("wheel")
     dist = root / "dist"
+    # Built from a copy: setuptools leaves build/ and *.egg-info next to the sources it builds.
+    source = root / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-3000:]

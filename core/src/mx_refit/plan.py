@@ -6,6 +6,7 @@ the Megatron layout engine in :mod:`mx_refit.layout`) and the :class:`~mx_refit.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ class FullTensorPlan:
                 shard = arena[staging : staging + n].view(dtype).view(local_shape)
                 place = out.narrow(axis, start, local_shape[axis]).copy_
                 place(shard)
-                restage.append(lambda place=place, shard=shard: place(shard))
+                restage.append(functools.partial(place, shard))
             views.append((p.name, out))
         self._memo.keep(arena, views, restage)
         return views

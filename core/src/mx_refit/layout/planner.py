@@ -43,6 +43,7 @@ from mx_refit.layout.manifest import (
     parse_expert_id,
     split_slots,
 )
+from mx_refit.layout.placement import Template, build_template
 from mx_refit.layout.receive_plan import (
     Entry,
     MegatronReceivePlan,
@@ -51,7 +52,6 @@ from mx_refit.layout.receive_plan import (
     gc_paused,
     read_ops,
 )
-from mx_refit.layout.placement import Template, build_template
 from mx_refit.types import Role, TargetLayout, TensorDescriptor, VersionInfo
 
 __all__ = [

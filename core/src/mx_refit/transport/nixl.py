@@ -103,7 +103,7 @@ def _create_agent(name: str, backends: Sequence[str], progress_wake_ms: float | 
         return nixl_agent(name, config)
     import sys
 
-    bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    bindings: Any = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
     construct = getattr(bindings, "nixlAgent", None)
     if construct is None:  # a wrapper laid out differently: keep its default, say so
         log.warning("NIXL wrapper %s has no nixlBind.nixlAgent; progress thread left busy-polling",
