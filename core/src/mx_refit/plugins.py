@@ -111,7 +111,7 @@ def load_plugins(pm: pluggy.PluginManager, allow: "Iterable[str] | None" = None)
         missing = sorted(allowed - found - blocked - set(BUILTIN_PLUGINS))
         if missing:
             raise PluginLoadError(
-                f"{allow_source} names unknown plugin(s) {missing}: no installed distribution provides them in the "
+                f"{allow_source} names {missing} but no installed distribution provides them in the "
                 f"{ENTRY_POINT_GROUP!r} entry-point group (installed: {sorted(found) or 'none'})"
             )
     from mx_refit.metrics import METRICS_PORT_ENV, refit_metrics_from_env
