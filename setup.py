@@ -10,5 +10,7 @@ setup(
     packages=[*find_namespace_packages("core/src", include=["mx_refit", "mx_refit.*"], exclude=["*.__pycache__"]),
               *RECIPES],
     package_dir={"": "core/src", "mx_refit.recipes": "recipes"},
-    package_data={package: ["*.yaml"] for package in RECIPES},
+    # Here, not in pyproject.toml: a [tool.setuptools.package-data] table there replaces this one.
+    package_data={"mx_refit": ["py.typed", "catalog/v1/*.proto", "catalog/v1/*.pyi"],
+                  **{package: ["*.yaml"] for package in RECIPES}},
 )
