@@ -96,6 +96,9 @@ def test_the_wheel_ships_the_recipes_and_serves_the_catalog(wheel_venv):
                  "import mx_refit.config as c, sysconfig\n"
                  "assert str(c.RECIPES_DIR).startswith(sysconfig.get_paths()['purelib']), c.RECIPES_DIR\n"
                  "cfg = c.load_recipe('grpo-llama-8b-megatron-tp2-vllm-tp1')\n"
+                 "import mx_refit, pathlib\n"
+                 "pkg = pathlib.Path(mx_refit.__file__).parent\n"
+                 "assert (pkg / 'py.typed').exists() and (pkg / 'catalog/v1/catalog.proto').exists()\n"
                  "print(cfg.model_name)\n")
     assert recipe.returncode == 0, recipe.stderr
     assert recipe.stdout.strip() == "llama-8b"
