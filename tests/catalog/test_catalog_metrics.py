@@ -61,3 +61,5 @@ def test_refit_counters_through_the_hooks():
     assert 'mx_refit_refit_descriptors_total{model="m"} 14.0' in text
     assert 'mx_refit_refit_registrations_total{model="m"} 2.0' in text
     assert 'mx_refit_refit_seconds_total{model="m"} 1.0' in text
+    hooks.refit_failed("m", 4, TimeoutError("version 4 never became READY"))
+    assert 'mx_refit_refit_failures_total{model="m"} 1.0' in generate_latest(registry).decode()

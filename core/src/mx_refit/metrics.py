@@ -110,8 +110,8 @@ class RefitMetrics:
         self.descriptors.labels(stats.model).inc(stats.descriptors)
         self.registrations.labels(stats.model).inc(stats.new_registrations)
 
-    @hookimpl(optionalhook=True)
-    def mx_refit_refit_failed(self, model: str, version: int, error: BaseException) -> None:
+    @hookimpl
+    def mx_refit_refit_failed(self, model: str, version: int | None, error: BaseException) -> None:
         self.failures.labels(model).inc()
 
 
