@@ -47,7 +47,7 @@ __all__ = [
 
 _LAZY = {"NixlTransport", "TransferStats"}
 
-_shared: "tuple[int, NixlTransport] | None" = None  # (pid that made it, transport)
+_shared: "tuple[int, RoutingTransport] | None" = None  # (pid that made it, transport)
 _shared_lock = threading.Lock()
 
 

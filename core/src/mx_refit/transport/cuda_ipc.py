@@ -182,11 +182,11 @@ class HandleCache:
         ``source_id``; opens what is new or changed, closes what the source no longer exports."""
         wanted = {r.addr: r for r in regions}
         for key in [k for k in self._entries if k[0] == source_id]:
-            entry = self._entries[key]
+            stale = self._entries[key]
             region = wanted.get(key[1])
-            if region is None or region.handle != entry.handle:
+            if region is None or region.handle != stale.handle:
                 del self._entries[key]
-                self._drop(entry.handle)
+                self._drop(stale.handle)
         out: dict[int, int] = {}
         for addr, region in wanted.items():
             entry = self._entries.get((source_id, addr))

@@ -18,15 +18,15 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import InvalidArgument, TransferError
-from mx_refit.transport.base import CUDA_IPC, NIXL, PathChoice, ReadReport, check_mode, local_node, select_path
 from mx_refit.ranges import RegionIndex
+from mx_refit.transport.base import CUDA_IPC, NIXL, PathChoice, ReadReport, check_mode, local_node, select_path
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from mx_refit.ranges import Range
     from mx_refit.transport.cuda_ipc import CudaIpcTransport
     from mx_refit.transport.nixl import NixlTransport
-    from mx_refit.ranges import Range
     from mx_refit.types import CudaIpcExport, SourceInfo
 
 __all__ = ["RoutingTransport"]
