@@ -83,8 +83,8 @@ def test_the_wheel_without_torch_gives_clear_messages(wheel_venv, tmp_path):
     assert len(verify.stderr.strip().splitlines()) == 1
 
     library = run(wheel_venv, "python", "-c",
-                  "from mx_refit.publisher import Publisher\n"
-                  "try:\n    Publisher('127.0.0.1:1', 'm')\n"
+                  "from mx_refit.transport.nixl import NixlTransport\n"
+                  "try:\n    NixlTransport('probe')\n"
                   "except ImportError as exc:\n    print(exc)\n")
     assert library.returncode == 0, library.stderr
     assert "install `mx-refit[transport]`" in library.stdout
