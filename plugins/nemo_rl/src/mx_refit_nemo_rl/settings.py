@@ -1,0 +1,67 @@
+"""The engine's keyword arguments: NeMo RL's ``refit_cfg`` dump, validated.
+
+NeMo RL builds the engine with ``cls(bucket_size=..., **engine_kwargs)``
+(``utils/checkpoint_engines/base.py:101-113``), where ``engine_kwargs`` is the recipe's
+``policy.generation.refit_cfg["mx_refit_nemo_rl:MxCheckpointEngine"]`` block dumped through
+``VllmCheckpointEnginePluginConfig`` minus ``update_weights_bucket_memory_ratio``
+(``weight_sync/checkpoint_engine_config.py:50-57``). The shipped recipes fill that block from the
+recipe's ``weight_sync`` node, so the block is ``{release_after_refit, weight_sync}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mx_refit.errors import InvalidArgument
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.config import WeightSyncConfig
+
+__all__ = ["ENGINE_CLASS_PATH", "PLUGIN_NAMESPACE", "VLLM_WORKER_CLASS_PATH", "EngineSettings", "parse_engine_kwargs"]
+
+ENGINE_CLASS_PATH = "mx_refit_nemo_rl.engine:MxCheckpointEngine"
+VLLM_WORKER_CLASS_PATH = "mx_refit_nemo_rl.vllm_worker.MxVllmWorker"
+PLUGIN_NAMESPACE = "nemo_rl"
+_WHERE = f"policy.generation.refit_cfg[{ENGINE_CLASS_PATH!r}]"
+
+# Keys of the plugin namespace (weight_sync.nemo_rl): the recipe's selection tables. The engine
+# itself needs none of them; they are checked so a typo does not pass silently.
+_NAMESPACE_KEYS = {"engine_by_method", "worker_cls_by_method", "colocated_by_method"}
+
+
+@dataclass
+class EngineSettings:
+    bucket_size: int
+    release_after_refit: bool
+    config: "WeightSyncConfig"
+
+
+def parse_engine_kwargs(bucket_size: Any, kwargs: Mapping[str, Any]) -> EngineSettings:
+    """Validate NeMo RL's constructor arguments; errors name the recipe field and the value."""
+    from mx_refit.config import load_config
+
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+        raise InvalidArgument(f"bucket_size: {bucket_size!r} (expected a positive number of bytes)")
+    extra = dict(kwargs)
+    release = extra.pop("release_after_refit", False)
+    if not isinstance(release, bool):
+        raise InvalidArgument(f"{_WHERE}.release_after_refit: {release!r} (expected true or false)")
+    weight_sync = extra.pop("weight_sync", None)
+    if extra:
+        raise InvalidArgument(
+            f"{_WHERE}: unknown keys {sorted(extra)}; mx-refit settings go in weight_sync "
+            "(the recipes interpolate it: weight_sync: ${weight_sync})"
+        )
+    if weight_sync is None:
+        weight_sync = {}
+    if not isinstance(weight_sync, Mapping):
+        raise InvalidArgument(f"{_WHERE}.weight_sync: {weight_sync!r} (expected a mapping)")
+    cfg = load_config({"weight_sync": dict(weight_sync)})
+    unknown = set(cfg.plugin_settings.get(PLUGIN_NAMESPACE, {})) - _NAMESPACE_KEYS
+    if unknown:
+        raise InvalidArgument(
+            f"weight_sync.{PLUGIN_NAMESPACE}: unknown keys {sorted(unknown)} (known: {sorted(_NAMESPACE_KEYS)})"
+        )
+    return EngineSettings(bucket_size=bucket_size, release_after_refit=release, config=cfg)
