@@ -28,7 +28,7 @@ _WHERE = f"policy.generation.refit_cfg[{ENGINE_CLASS_PATH!r}]"
 
 # Keys of the plugin namespace (weight_sync.nemo_rl): the recipe's selection tables. The engine
 # itself needs none of them; they are checked so a typo does not pass silently.
-_NAMESPACE_KEYS = {"engine_by_method", "worker_cls_by_method", "colocated_by_method"}
+_NAMESPACE_KEYS = {"engine_by_method", "worker_cls_by_method", "colocated_by_method", "release_after_refit"}
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""Tiny HF Qwen2 checkpoints for the tests (built from a config, no downloads); the same as the vLLM
+plugin's tests use (plugins/vllm_engine/tests/_checkpoints.py).
+
+Version ``v`` of the weights is its own checkpoint directory, so every process (the vLLM
+workers' reference models, the torch trainer, the Megatron trainer in the core venv) reads the
+exact same bytes for it. Values are seeded random (HF would zero biases and set norms to one),
+so a misplaced row, head or bias shows up in a byte comparison.
+
+Qwen2 is chosen for its awkward corners: q/k/v biases, tied embeddings, GQA (4 q / 2 kv heads)
+and a vocabulary of 131 that no TP > 1 divides (Megatron pads it, vLLM pads it differently).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 131,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+}
+
+
+def build_version(root: Path, version: int) -> Path:
+    """Write (once) and return the checkpoint directory of weights version ``version``."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    out = root / f"qwen2-v{version}"
+    if (out / "model.safetensors").exists():
+        return out
+    tmp = root / f".qwen2-v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = transformers.Qwen2Config(
+        **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    )
+    with torch.device("meta"):
+        names = {n: tuple(p.shape) for n, p in transformers.Qwen2ForCausalLM(config).named_parameters()}
+    gen = torch.Generator().manual_seed(1000 + version)
+    tensors = {
+        name: (torch.randn(shape, generator=gen) * 0.05).contiguous() for name, shape in sorted(names.items())
+    }
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    tmp.rename(out)
+    return out
+
+
+def load_version(path: Path | str) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))

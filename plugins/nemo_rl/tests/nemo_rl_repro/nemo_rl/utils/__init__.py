@@ -1,0 +1,1 @@
+"""Reproduction: nemo_rl.utils (7ea279a)."""
