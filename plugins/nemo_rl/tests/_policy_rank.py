@@ -121,6 +121,7 @@ def main() -> None:
                     "engine_is_checkpoint_engine": _is_checkpoint_engine(engine),
                     "owner_is_worker": engine is not None and engine.policy_worker is worker,
                     "version": None if engine is None else engine.version,
+                    "catalog": None if engine is None else engine._address,
                 }
             else:
                 raise ValueError(f"unknown command {cmd!r}")

@@ -76,3 +76,19 @@ def test_two_refits_then_release_after_refit_and_prepare_again(make_job, ckpts: 
     sync_and_check(job, ckpts, 3)  # prepared again: new catalog, new endpoints, same engines
     assert "policy:prepare_checkpoint_engine" in job.sync.calls
     assert [s["version"] for s in job.policy_stats()] == [4, 4]
+
+
+def test_role_overrides_from_the_recipe_reach_the_classifier(make_job, ckpts: dict[int, Path]) -> None:
+    """A recipe rule (here deliberately wrong: a row-parallel weight declared replicated) is what
+    the published descriptors say; only the policy side runs, nobody reads this version."""
+    from mx_refit.catalog.client import CatalogClient
+
+    job = make_job("tp1", ["weight_sync.role_overrides=[{role: replicated, pattern: '*layers.1.mlp.linear_fc2.weight'}]"])
+    job.sync.init_communicator()
+    job.policy.call("rpc", ("send_weights_via_checkpoint_engine", {"kv_scales": None}))
+    address = job.policy_stats()[0]["catalog"]
+    info = CatalogClient(address).get_version(model=job.master.weight_sync["model_name"], version=1)
+    roles = {d.name: d.role.value for s in info.sources for d in s.tensors if d.name.endswith("linear_fc2.weight")}
+    assert roles and all(
+        (role == "replicated") == ("layers.1." in name) for name, role in roles.items()
+    ), roles
