@@ -71,7 +71,6 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, address: str, model
 
     import torch
     import torch.distributed as dist
-
     from mx_refit.verify.harness import build_model_from_hf, init_distributed, init_model_parallel
     from mx_refit_nemo_rl.engine import MxCheckpointEngine
 
@@ -115,6 +114,18 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, address: str, model
             "mx_s": mx_s, "mx_new_registrations": registrations}
 
 
+def wait_for(channel: Any, results: dict[str, Any]) -> Any:
+    """The next message on ``channel``, surfacing a rank failure instead of waiting forever."""
+    import queue
+
+    while "error" not in results:
+        try:
+            return channel.get(timeout=1.0)
+        except queue.Empty:
+            pass
+    raise results["error"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=512)
@@ -143,7 +154,7 @@ def main() -> None:
             try:
                 results["ranks"] = launch_ranks(rank_main, args.tp, str(hf_dir), server.address, model_name,
                                                 args.cycles, published, pulled, timeout_s=1800)
-            except BaseException as exc:  # surfaced by the main thread
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
                 results["error"] = exc
 
         thread = threading.Thread(target=run, daemon=True)
@@ -152,14 +163,7 @@ def main() -> None:
         pulls = []
         for cycle in range(1, args.cycles + 1):
             for _ in range(args.tp):
-                while True:
-                    if "error" in results:
-                        raise results["error"]
-                    try:
-                        published.get(timeout=1.0)
-                        break
-                    except Exception:
-                        continue
+                wait_for(published, results)
             started = time.perf_counter()
             refit = receiver.refit(version=cycle)
             pulls.append({"seconds": time.perf_counter() - started, "pull_s": refit.stats.seconds,

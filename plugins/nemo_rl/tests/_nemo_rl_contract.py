@@ -64,7 +64,9 @@ def checkpoint_engine_refit_config(generation: dict[str, Any]) -> dict[str, Any]
         raise NotImplementedError("the built-in nixl engine is not part of this reproduction")
     block = refit_cfg.get(transport)
     if block is None:
-        raise ValueError(f"Custom checkpoint-engine transport {transport!r} requires policy.generation.refit_cfg[{transport!r}].")
+        raise ValueError(
+            f"Custom checkpoint-engine transport {transport!r} requires policy.generation.refit_cfg[{transport!r}]."
+        )
     scoped = _plugin_config_model().model_validate(block)
     return {
         "backend": transport,

@@ -47,8 +47,7 @@ def main() -> None:
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
     try:
         import torch
-
-        from _harness import init_distributed, init_model_parallel, build_model_from_hf
+        from _harness import build_model_from_hf, init_distributed, init_model_parallel
         from _nemo_rl_contract import MegatronPolicyWorker
 
         init_distributed(args.rank, args.world, master_port=args.dist_port)

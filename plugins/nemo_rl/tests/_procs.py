@@ -11,7 +11,6 @@ import os
 import secrets
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -141,7 +140,7 @@ class Group:
         self.submit(cmd, arg)
         return self.collect(timeout_s)
 
-    def submit(self, cmd: str, arg: Any = None) -> "Group":
+    def submit(self, cmd: str, arg: Any = None) -> Group:
         """Start ``cmd`` on every rank without waiting (collect the answers with :meth:`collect`)."""
         for child in self.children:
             child.send(cmd, arg)

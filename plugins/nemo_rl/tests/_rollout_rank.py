@@ -41,12 +41,12 @@ class RolloutProcess:
     def __init__(self, rank: int, world: int, dist_port: int, hf_dir: str) -> None:
         from types import SimpleNamespace
 
+        from _checkpoints import load_version
+        from _nemo_rl_contract import VllmCheckpointEngineMixin
         from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
         from vllm.model_executor.model_loader.utils import initialize_model
 
-        from _checkpoints import load_version
-        from _nemo_rl_contract import VllmCheckpointEngineMixin
         from mx_refit_nemo_rl.vllm_worker import MxVllmWorker
 
         self.vllm_config = VllmConfig(
@@ -84,7 +84,6 @@ class RolloutProcess:
 
     def check(self, hf_dir: str) -> dict:
         import torch
-
         from _checkpoints import load_version
 
         with self._ctx(self.vllm_config):

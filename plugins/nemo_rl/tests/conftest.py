@@ -21,10 +21,9 @@ HERE = Path(__file__).resolve().parent
 PLUGIN = HERE.parent
 sys.path.insert(0, str(HERE / "nemo_rl_repro"))  # `nemo_rl.utils.checkpoint_engines.base`, reproduced
 
+import _nemo_rl_contract as nrl  # noqa: E402
 from _checkpoints import build_version  # noqa: E402
 from _procs import Group, core_python, free_port, start_group, vllm_python  # noqa: E402
-
-import _nemo_rl_contract as nrl  # noqa: E402
 
 NOT_RUN = [
     "NeMo RL itself (not installable here: PyPI's nemo-rl is a 0.0.0 placeholder, the real one needs "

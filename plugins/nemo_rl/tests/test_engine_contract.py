@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 
+import _nemo_rl_contract as nrl
 import pytest
 
-import _nemo_rl_contract as nrl
 from mx_refit.errors import FailedPrecondition, InvalidArgument
 from mx_refit_nemo_rl import ENGINE_CLASS_PATH, owner
 
@@ -38,7 +38,10 @@ def test_class_path_constructs_and_satisfies_the_abc() -> None:
         ({"release_after_refit": "yes"}, r"release_after_refit: 'yes'"),
         ({"transport": "UCX"}, r"unknown keys \['transport'\]"),
         ({"weight_sync": {"catalog": {"mode": "standalone", "address": "nowhere"}}}, r"catalog.address: 'nowhere'"),
-        ({"weight_sync": {"nemo_rl": {"engine_by_methd": {}}}}, r"weight_sync.nemo_rl: unknown keys \['engine_by_methd'\]"),
+        (
+            {"weight_sync": {"nemo_rl": {"engine_by_methd": {}}}},
+            r"weight_sync.nemo_rl: unknown keys \['engine_by_methd'\]",
+        ),
     ],
 )
 def test_bad_engine_kwargs_name_the_field(kwargs: dict, message: str) -> None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import _nemo_rl_contract as nrl
+import pytest
 from conftest import PLUGIN, compose_recipe
+
 from mx_refit.errors import InvalidArgument
 from mx_refit_nemo_rl import ENGINE_CLASS_PATH, VLLM_WORKER_CLASS_PATH
 

@@ -83,7 +83,8 @@ def test_role_overrides_from_the_recipe_reach_the_classifier(make_job, ckpts: di
     the published descriptors say; only the policy side runs, nobody reads this version."""
     from mx_refit.catalog.client import CatalogClient
 
-    job = make_job("tp1", ["weight_sync.role_overrides=[{role: replicated, pattern: '*layers.1.mlp.linear_fc2.weight'}]"])
+    rule = "{role: replicated, pattern: '*layers.1.mlp.linear_fc2.weight'}"
+    job = make_job("tp1", [f"weight_sync.role_overrides=[{rule}]"])
     job.sync.init_communicator()
     job.policy.call("rpc", ("send_weights_via_checkpoint_engine", {"kv_scales": None}))
     address = job.policy_stats()[0]["catalog"]

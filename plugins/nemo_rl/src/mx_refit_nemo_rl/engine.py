@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import FailedPrecondition, InvalidArgument
-
 from mx_refit_nemo_rl import owner as owners
 from mx_refit_nemo_rl.fallback import HfStage, fallback_reasons
 from mx_refit_nemo_rl.settings import parse_engine_kwargs
@@ -39,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
 try:  # the real base class inside NeMo RL's worker environments
     from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine as _CheckpointEngineBase
 except ImportError:  # pragma: no cover - NeMo RL absent: same methods, no base class to satisfy
-    from abc import ABC as _CheckpointEngineBase
+    _CheckpointEngineBase = object
 
 __all__ = ["MxCheckpointEngine", "SendReport"]
 
@@ -94,6 +93,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self._receiver: Any = None
         self._stage = HfStage()
         self._transport: Any = None
+        self._bridged: tuple[tuple[int, int], Any] | None = None
         self._prepared = False
 
     # -- NeMo RL's lifecycle ------------------------------------------------------------------
@@ -137,7 +137,6 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
     ) -> None:
         """Build this vLLM worker's receiver: whole HF tensors, EP-filtered."""
         import mx_refit
-
         from mx_refit_nemo_rl.rollout import target_layout
 
         self._require_prepared("init_rollout_process_group")
@@ -157,7 +156,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         NeMo RL then hands ``send_weights`` its export generator itself."""
         return None
 
-    async def send_weights(self, weights: Generator[tuple[str, "torch.Tensor"], None, None]) -> None:
+    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         """Publish this rank's shards; the export generator is closed unstarted (or, in the
         fallback, consumed by every rank together)."""
         found = owners.from_weights(weights)
@@ -180,7 +179,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         else:
             self.last_send = self._send_native(found.worker, found.strategy)
 
-    async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, "torch.Tensor"]], None]:
+    async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Pull the next version and yield it in batches of at most ``bucket_size`` bytes."""
         self._require_ready("receive_weight_batches")
         result = self._receiver.refit(min_version=self.version + 1, wait_s=self.config.transfer_timeout_s)
@@ -212,24 +211,32 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
 
     # -- policy side --------------------------------------------------------------------------
     def _send_native(self, worker: Any, strategy: str) -> SendReport:
-        import mx_refit
 
         report = SendReport(self.version, "native", strategy, published=self._publisher is not None)
         if self._publisher is None:
             return report  # another data-parallel replica publishes
-        bridge = worker.megatron_bridge
-        model = mx_refit.BridgedModel(
-            bridge,
-            [worker.model],
-            bridge.hf_pretrained.config,
-            conversion_tasks=_cached_tasks(worker),
-        )
+        model = self._bridged_model(worker)
         self._retire_previous()
         before = self._transport.registrations
         self._publisher.publish(self.version, model=model)
         report.new_registrations = self._transport.registrations - before
         self._retire = (self._publisher, self.version)
         return report
+
+    def _bridged_model(self, worker: Any) -> Any:
+        """The worker's model as the core's ``BridgedModel``, kept while the worker's model and
+        cached tasks are the same objects (the plugin then reuses what it derived from them)."""
+        import mx_refit
+
+        tasks = getattr(worker, "refit_conversion_tasks", None)
+        key = (id(worker.model), id(tasks))
+        if self._bridged is None or self._bridged[0] != key:
+            bridge = worker.megatron_bridge
+            model = mx_refit.BridgedModel(
+                bridge, [worker.model], bridge.hf_pretrained.config, conversion_tasks=_cached_tasks(worker)
+            )
+            self._bridged = (key, model)
+        return self._bridged[1]
 
     def _send_hf_stream(self, weights: Any, reasons: list[str], strategy: str) -> SendReport:
         import mx_refit

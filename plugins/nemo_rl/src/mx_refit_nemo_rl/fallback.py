@@ -53,7 +53,7 @@ class HfStage:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def fill(self, stream: Iterable[tuple[str, "torch.Tensor"]], *, keep: bool) -> tuple[int, int]:
+    def fill(self, stream: Iterable[tuple[str, torch.Tensor]], *, keep: bool) -> tuple[int, int]:
         """Consume ``stream`` to the end; with ``keep``, copy every tensor into its buffer.
 
         Returns ``(tensors, bytes)`` seen. A name that repeats is an error: HF names are unique.

@@ -22,8 +22,8 @@ cached ``refit_conversion_tasks`` (``megatron_policy_worker.py:2297``).
 from __future__ import annotations
 
 import inspect
-import weakref
 import sys
+import weakref
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any

@@ -35,7 +35,7 @@ _NAMESPACE_KEYS = {"engine_by_method", "worker_cls_by_method", "colocated_by_met
 class EngineSettings:
     bucket_size: int
     release_after_refit: bool
-    config: "WeightSyncConfig"
+    config: WeightSyncConfig
 
 
 def parse_engine_kwargs(bucket_size: Any, kwargs: Mapping[str, Any]) -> EngineSettings:

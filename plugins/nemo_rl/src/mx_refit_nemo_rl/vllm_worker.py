@@ -21,7 +21,7 @@ __all__ = ["MxVllmWorker"]
 class MxVllmWorker(Worker):
     """vLLM's GPU worker with mx-refit's NIXL agent created first."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "MxVllmWorker":
+    def __new__(cls, *args: Any, **kwargs: Any) -> MxVllmWorker:
         import mx_refit
 
         worker = super().__new__(cls)

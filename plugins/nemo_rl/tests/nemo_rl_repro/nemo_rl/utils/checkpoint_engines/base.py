@@ -42,7 +42,9 @@ class CheckpointEngine(ABC):
     def receive_weight_batches(self) -> Any: ...
 
 
-def create_checkpoint_engine(backend: str, *, bucket_size_bytes: int, engine_kwargs: dict[str, Any]) -> CheckpointEngine:
+def create_checkpoint_engine(
+    backend: str, *, bucket_size_bytes: int, engine_kwargs: dict[str, Any]
+) -> CheckpointEngine:
     if backend == "nixl":
         backend = "nemo_rl.utils.checkpoint_engines.nixl:NIXLCheckpointEngine"
     module_name, class_name = backend.split(":", 1)
