@@ -29,6 +29,7 @@ def sync_and_check(job: Job, ckpts: dict[int, Path], version: int) -> list[dict]
 
 def test_tp2_trainer_to_vllm_tp1(make_job, ckpts: dict[int, Path]) -> None:
     job = make_job("tp1")
+    runs_before = [s["export_runs"] for s in job.policy_stats()]
     job.sync.init_communicator()
     assert job.sync.calls[:8] == [
         "policy:checkpoint_engine_total_memory_bytes", "generation:checkpoint_engine_total_memory_bytes",
@@ -38,7 +39,9 @@ def test_tp2_trainer_to_vllm_tp1(make_job, ckpts: dict[int, Path]) -> None:
     ]
     setup = job.policy_stats()
     assert all(s["engine_is_checkpoint_engine"] and s["owner_is_worker"] for s in setup)
-    assert all(s["export_runs"] == 1 for s in setup), "NeMo RL's one setup-time export (prepare_refit_info)"
+    assert [s["export_runs"] for s in setup] == [r + 1 for r in runs_before], (
+        "NeMo RL's one setup-time export (prepare_refit_info)"
+    )
 
     sync_and_check(job, ckpts, 1)
     second = sync_and_check(job, ckpts, 2)
