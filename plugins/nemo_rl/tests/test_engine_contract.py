@@ -117,3 +117,16 @@ def test_fallback_reasons_follow_the_worker_config() -> None:
     w.fp8_cfg = {"fp8_param": True, "fp8_recipe": "blockwise"}
     reasons = fallback_reasons(w, None)
     assert len(reasons) == 3 and "draft" in reasons[0] and "FP8 KV" in reasons[1] and "FP8 param" in reasons[2]
+
+
+def test_import_is_light() -> None:
+    """NeMo RL imports the class path in every worker; the package itself loads no framework."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mx_refit_nemo_rl, mx_refit_nemo_rl.settings, mx_refit_nemo_rl.owner;"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'nixl', 'vllm', 'megatron', 'grpc'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
