@@ -36,7 +36,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 try:  # the real base class inside NeMo RL's worker environments
-    from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine as _CheckpointEngineBase
+    from nemo_rl.utils.checkpoint_engines.base import (  # type: ignore[import-not-found]
+        CheckpointEngine as _CheckpointEngineBase,
+    )
 except ImportError:  # pragma: no cover - NeMo RL absent: same methods, no base class to satisfy
     _CheckpointEngineBase = object
 
