@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -224,10 +224,12 @@ class PublishedTensor:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class ReadOp:
+class ReadOp(NamedTuple):
     """One contiguous byte range: ``nbytes`` at ``remote_addr`` of a source land at
-    ``local_offset`` of the receiver's arena."""
+    ``local_offset`` of the receiver's arena.
+
+    A NamedTuple (immutable, built in C): a sliced MoE plan holds ~19k of them, and a frozen
+    dataclass's ``__init__`` made building them a quarter of planning time."""
 
     source_id: str
     remote_addr: int

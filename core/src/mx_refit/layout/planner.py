@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, islice, repeat
 from operator import attrgetter, itemgetter, setitem
 from typing import Any
 
@@ -427,17 +427,27 @@ class _Planner:
         ordered = list(map(entries.__getitem__, sorted(range(len(entries)), key=keys.__getitem__)))
         bases = list(accumulate(map(_REGION, map(_TEMPLATE, ordered)), initial=0))  # regions are aligned
         deque(map(setitem, ordered, repeat(0), bases), maxlen=0)  # entry[0] = its base, C-level
-        raw: list[list[Any]] = []  # [source_id, remote_addr, nbytes, local_offset]
-        prev: list[Any] = [None, -1, 0, -1]
-        for base, tpl, _, _, _, chosen in ordered:
-            for s, src, nbytes, dst in tpl.pieces:
-                sid, addr = chosen[s]
-                # Same source and adjacent on both sides as the previous piece: extend it.
-                if sid == prev[0] and addr + src == prev[1] + prev[2] and base + dst == prev[3] + prev[2]:
-                    prev[2] += nbytes
+        # Every piece as (source_id, remote_addr, nbytes, local_offset), in one comprehension
+        # (an explicit loop with appends cost ~30% more on ~19k pieces)...
+        rows = [
+            (chosen[s][0], chosen[s][1] + src, nbytes, base + dst)
+            for base, tpl, _, _, _, chosen in ordered
+            for s, src, nbytes, dst in tpl.pieces
+        ]
+        # ...then each piece that continues the previous one on both sides, same source, joins it.
+        joins = [
+            p[0] == q[0] and p[1] + p[2] == q[1] and p[3] + p[2] == q[3]
+            for p, q in zip(rows, islice(rows, 1, None))
+        ]
+        if True in joins:
+            merged: list[tuple[str, int, int, int]] = []
+            for row, join in zip(rows, [False, *joins]):
+                if join:
+                    sid, addr, nbytes, dst = merged[-1]
+                    merged[-1] = (sid, addr, nbytes + row[2], dst)
                 else:
-                    prev = [sid, addr + src, nbytes, base + dst]
-                    raw.append(prev)
+                    merged.append(row)
+            rows = merged
         by_role: dict[str, list[int]] = {}
         tensors = 0
         for tpl in self.templates.values():
@@ -447,7 +457,7 @@ class _Planner:
             counters[1] += uses * tpl.needed
             tensors += uses * len(tpl.outs)
         return MegatronReceivePlan(
-            reads=read_ops(raw),
+            reads=read_ops(rows),
             arena_bytes=max(bases[-1], 1),
             bytes_needed=sum(c[1] for c in by_role.values()),
             bytes_by_role={role: (c[0], c[1]) for role, c in by_role.items() if c[1] or c[0]},

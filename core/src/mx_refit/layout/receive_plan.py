@@ -10,7 +10,6 @@ every offset and shape relative to the base.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -152,30 +151,10 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def read_ops(rows: list[list[Any]]) -> list[ReadOp]:
-    """``ReadOp(*row)`` for every row, fast.
-
-    A frozen dataclass's ``__init__`` assigns each field through ``object.__setattr__``, which
-    dominated planning a sliced MoE target (~19k reads). Filling the instance ``__dict__`` in one
-    step is what that ``__init__`` amounts to (ReadOp has no ``__post_init__``, no slots, no
-    defaults); fall back to the constructor if ReadOp ever stops being that simple.
-    """
-    fields = tuple(f.name for f in dataclasses.fields(ReadOp))
-    if (
-        fields != ("source_id", "remote_addr", "nbytes", "local_offset")
-        or hasattr(ReadOp, "__slots__")
-        or hasattr(ReadOp, "__post_init__")
-    ):
-        return [ReadOp(*row) for row in rows]
-    new, set_dict = object.__new__, object.__setattr__
-    # set_dict() returns None, so "... or op" yields the instance (an inlined comprehension).
-    return [
-        set_dict(
-            op := new(ReadOp), "__dict__", {"source_id": s, "remote_addr": r, "nbytes": n, "local_offset": o}
-        )
-        or op
-        for s, r, n, o in rows
-    ]
+def read_ops(rows: "list[tuple[str, int, int, int]] | list[list[Any]]") -> list[ReadOp]:
+    """``ReadOp(*row)`` for every ``[source_id, remote_addr, nbytes, local_offset]`` row, built
+    in C (``ReadOp._make`` and the constructor add a Python-level call per row)."""
+    return list(map(tuple.__new__, repeat(ReadOp), rows))
 
 
 def describe_plan(plan: MegatronReceivePlan) -> dict[str, Any]:
