@@ -8,6 +8,11 @@ several receiver layouts, on one core. Prints one JSON object.
 
     python benchmarks/bench_planner.py                      # TP4 x DP2 ranks, EP8 (8 sources)
     python benchmarks/bench_planner.py --dp 4 --ep 4        # 16 sources, experts on 4 ranks each
+    python benchmarks/bench_planner.py --baseline-ref ef779e0 --rounds 5   # old code, same run
+
+``--baseline-ref`` times the planner of another commit (its ``core/src``, extracted with
+``git archive``) on the same manifest in the same run: both are run ``--rounds`` times,
+alternating, each in a fresh process, and every case reports the best round's median.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "src"))
+# --src DIR times the planner found there (the baseline of --baseline-ref); default: this checkout.
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else None
+sys.path.insert(0, _SRC or str(Path(__file__).resolve().parents[1] / "core" / "src"))
 
 from mx_refit.layout.planner import plan_receive
 from mx_refit.types import (
@@ -283,6 +290,39 @@ def calibration_ms() -> float:
     return round(best * 1e3, 1)
 
 
+def compare(args: argparse.Namespace) -> None:
+    """This checkout against ``--baseline-ref``, alternating fresh processes; one JSON object."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    common = [f"--{k}={getattr(args, k)}" for k in ("tp", "pp", "dp", "ep", "etp", "repeat")]
+    runs: dict[str, list[dict[str, Any]]] = {"current": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(root), "archive", args.baseline_ref, "core/src"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        sources = {"current": str(root / "core" / "src"), "baseline": str(Path(tmp) / "core" / "src")}
+        for _ in range(args.rounds):
+            for label in ("baseline", "current"):
+                out = subprocess.run([sys.executable, __file__, "--src", sources[label], *common],
+                                     check=True, capture_output=True, text=True).stdout
+                runs[label].append(json.loads(out))
+    cases = []
+    for i, case in enumerate(runs["current"][0]["cases"]):
+        best = {label: min(r["cases"][i]["plan_cpu_ms"]["median"] for r in rs) for label, rs in runs.items()}
+        cases.append({"target": case["target"], "reads": case["reads"], "plan_cpu_ms_median_best_round": best,
+                      "ratio_current_vs_baseline": round(best["current"] / best["baseline"], 3)})
+    print(json.dumps({
+        "benchmark": "planner, current vs baseline in the same run",
+        "baseline_ref": args.baseline_ref,
+        "rounds": args.rounds,
+        "cases": cases,
+        "calibration_loop_ms": [r["calibration_loop_ms"] for r in runs["current"]],
+        "python": platform.python_version(),
+    }, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=4)
@@ -292,7 +332,13 @@ def main() -> None:
     parser.add_argument("--etp", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--budget-ms", type=float, default=50.0)
+    parser.add_argument("--src", default=None, help="core/src to time (default: this checkout's)")
+    parser.add_argument("--baseline-ref", default=None, help="also time this git commit's planner")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds with --baseline-ref")
     args = parser.parse_args()
+    if args.baseline_ref:
+        compare(args)
+        return
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as specified
 

@@ -13,7 +13,7 @@ cuda_ipc); the path each refit took is reported.
 
 Cases (sizes times --scale):
   large: 8 GiB in tensors of 64-512 MiB
-  small: 10,000 tensors of 256 KiB
+  small: 10,000 tensors of 256 KiB (--small-kib; --scale scales the count)
 Source tensors are views into one buffer, as Megatron's DDP keeps parameters in contiguous
 buffers; the receiver pulls into its registered arena.
 """
@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 
@@ -34,12 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling _i
 MIB = 1 << 20
 
 
-def case_sizes(case: str, scale: float) -> list[int]:
+def case_sizes(case: str, scale: float, small_kib: int = 256) -> list[int]:
     if case == "large":
         sizes = [64, 128, 256, 512] * 8 + [512]  # 8 GiB
         return [max(1, int(s * scale)) * MIB for s in sizes]
     if case == "small":
-        return [256 * 1024] * max(1, int(10_000 * scale))
+        return [small_kib * 1024] * max(1, int(10_000 * scale))
     raise ValueError(case)
 
 
@@ -239,16 +240,20 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--cases", default="large,small")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every case's size")
+    parser.add_argument("--small-kib", type=int, default=256,
+                        help="tensor size of the small case (keep 10,000 tensors on a small host)")
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results JSON here too")
     parser.add_argument("--transport", choices=("auto", "nixl", "cuda_ipc"), default="auto")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip the torch copy and broadcast baselines (control-plane runs)")
     args = parser.parse_args()
 
     import torch
 
     from mx_refit.catalog.server import start_embedded
 
-    cases = {c: case_sizes(c, args.scale) for c in args.cases.split(",")}
+    cases = {c: case_sizes(c, args.scale, args.small_kib) for c in args.cases.split(",")}
     machine = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__}
     if args.device == "cuda":
         machine["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -295,9 +300,20 @@ def main() -> int:
     colocated = args.device == "cuda" and torch.cuda.device_count() == 1
     for case, sizes in cases.items():
         entry = results["cases"][case]
-        entry.update(torch_copy_baseline(args.device, sizes))
-        steady = max(c["gbps"] for c in entry["cycles"][1:]) if len(entry["cycles"]) > 1 else entry["cycles"][0]["gbps"]
+        steady_cycles = entry["cycles"][1:] or entry["cycles"]
+        steady = max(c["gbps"] for c in steady_cycles)
         entry["mx_steady_gbps"] = steady
+        # Control plane: the whole refit (discover, plan, lease, pull, release, materialise)
+        # against the pull alone, steady cycles.
+        entry["steady_pull_ms_median"] = statistics.median(c["seconds"] for c in steady_cycles) * 1e3
+        entry["steady_refit_ms_median"] = statistics.median(c["refit_wall_s"] for c in steady_cycles) * 1e3
+        entry["steady_refit_over_pull_median"] = statistics.median(
+            c["refit_wall_s"] / c["seconds"] for c in steady_cycles
+        )
+        if args.no_baselines:
+            print(json.dumps({case: {k: v for k, v in entry.items() if k != "cycles"}}), flush=True)
+            continue
+        entry.update(torch_copy_baseline(args.device, sizes))
         entry["ratio_vs_torch_copy_flat"] = steady / entry["torch_copy_flat_gbps"]
         if colocated:  # NCCL needs one GPU per rank: the colocated baseline is vLLM's ipc path
             from _ipc_baseline import ipc_copy_baseline
