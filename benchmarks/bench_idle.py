@@ -103,7 +103,8 @@ def run_mode(mode: str, nbytes: int, pulls: int, idle_s: float, timeout_s: float
     rd_conn, rd_child = ctx.Pipe()
     src = ctx.Process(target=source_proc, args=(src_child, mode, nbytes), daemon=True)
     rd = ctx.Process(target=reader_proc, args=(rd_child, mode, nbytes, timeout_s), daemon=True)
-    src.start(); rd.start()
+    src.start()
+    rd.start()
     try:
         source = src_conn.recv()
         assert rd_conn.recv() == "ready"

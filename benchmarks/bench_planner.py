@@ -32,8 +32,8 @@ from typing import Any
 _SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else None
 sys.path.insert(0, _SRC or str(Path(__file__).resolve().parents[1] / "core" / "src"))
 
-from mx_refit.layout.planner import plan_receive
-from mx_refit.types import (
+from mx_refit.layout.planner import plan_receive  # noqa: E402 (after the path above)
+from mx_refit.types import (  # noqa: E402
     MeshPosition,
     Role,
     SourceInfo,

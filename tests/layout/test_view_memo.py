@@ -11,9 +11,14 @@ import torch
 from mx_refit.layout.planner import plan_receive
 from mx_refit.plan import plan_full_tensors
 from mx_refit.types import (
-    MeshPosition, Role, SourceInfo, TargetLayout, TensorDescriptor, VersionInfo, VersionState,
+    MeshPosition,
+    Role,
+    SourceInfo,
+    TargetLayout,
+    TensorDescriptor,
+    VersionInfo,
+    VersionState,
 )
-
 from tests.layout._planner_harness import ModelSpec, SourceLayout, check, execute, publish
 
 
