@@ -3,8 +3,6 @@ receiver, embedded gRPC catalog and NIXL agents wherever the hook is called from
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from mx_refit import hookimpl
@@ -327,7 +325,7 @@ def test_hook_mx_refit_refit_failed(pair):
         @hookimpl(tryfirst=True)
         def mx_refit_plan_receive(self, version, target):
             plan = plan_full_tensors(version)
-            plan.reads[0] = dataclasses.replace(plan.reads[0], local_offset=plan.arena_bytes)
+            plan.reads[0] = plan.reads[0]._replace(local_offset=plan.arena_bytes)
             return plan
 
     hooks.register(BrokenPlanner())
