@@ -71,8 +71,9 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, address: str, model
 
     import torch
     import torch.distributed as dist
-    from mx_refit.verify.harness import build_model_from_hf, init_distributed, init_model_parallel
     from mx_refit_nemo_rl.engine import MxCheckpointEngine
+
+    from mx_refit.verify.harness import build_model_from_hf, init_distributed, init_model_parallel
 
     init_distributed(rank, world, master_port=port)
     init_model_parallel(tp=world)
