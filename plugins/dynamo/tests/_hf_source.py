@@ -1,0 +1,31 @@
+"""A throwaway publisher process (vLLM venv): publishes one checkpoint's HF tensors, whole, as a
+version, reports READY and then waits to be killed (the "source dies mid-pull" case).
+
+Usage: ``_hf_source.py CATALOG MODEL VERSION HF_DIR``; prints ``ready`` once the version is READY.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "vllm_engine" / "tests"))
+
+
+def main() -> None:
+    from _checkpoints import load_version
+
+    from mx_refit import Publisher, PublishedTensor
+
+    catalog, model, version, hf_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    tensors = load_version(hf_dir)
+    publisher = Publisher(catalog, model, source_id=f"{model}/hf-source", ttl_s=60.0)
+    publisher.publish(version, [PublishedTensor(name, tensor) for name, tensor in tensors.items()])
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    main()

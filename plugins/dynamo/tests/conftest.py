@@ -1,0 +1,142 @@
+"""Fixtures: checkpoints, Dynamo worker processes (real Dynamo 1.6.1 runtime, routes, handler)
+in front of real vLLM worker ranks, and the list of what this suite does not run.
+
+The vLLM ranks are the vLLM plugin's own test workers (``plugins/vllm_engine/tests``), reused
+rather than duplicated; each Dynamo worker process starts its own ranks, as ``dynamo.vllm``
+starts its engine.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+VLLM_TESTS = HERE.parent.parent / "vllm_engine" / "tests"
+sys.path[:0] = [str(HERE), str(VLLM_TESTS)]
+
+from _checkpoints import build_version  # noqa: E402
+from _procs import Child  # noqa: E402
+
+NOT_RUN = (
+    "python -m dynamo.vllm: Dynamo 1.6.1's dynamo.vllm.main does not import on vLLM 0.33 "
+    "(`get_engine_zmq_addresses` is gone from vllm.v1.engine.utils), so no released Dynamo can "
+    "serve with the mx backend yet; the routes and handler run here, AsyncLLM/EngineCore do not",
+    "GPUs: everything runs on CPU (UCX loopback in DRAM); no NIXL transfer into GPU memory",
+    "a live Dynamo frontend: /v1/rl/workers is parsed from a reply built from the workers' real "
+    "route descriptors, not served by dynamo.frontend (its HTTP service needs the full runtime)",
+    "NeMo RL driving Dynamo workers: at NeMo RL HEAD its Dynamo backend requires "
+    "refit_transport: null and forces --weight-transfer-config {\"backend\":\"nccl\"}, and NeMo RL "
+    "is not installable here",
+    "Dynamo's development-branch mx engine and MX route (dev branch only, not released): the "
+    "backend-name test registers an engine with that branch's init-info shape in its place",
+    "DynamoWorkerExtension (Dynamo main only; 1.6.1 has FpmGcWorkerExtension, which is tested)",
+)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.section("mx-refit-dynamo: not run here")
+    for line in NOT_RUN:
+        terminalreporter.write_line(f"- {line}")
+
+
+def system_port() -> int:
+    """A free port below 32768: Dynamo 1.6.1 parses DYN_SYSTEM_PORT as an i16."""
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
+
+
+class DynamoWorkerProc:
+    """One ``_dynamo_worker.py`` process: a Dynamo worker and the vLLM ranks behind it."""
+
+    def __init__(self, name: str, tp: int, hf_dir: Path, log_dir: Path, **extra: str) -> None:
+        port = system_port()
+        args = ["--namespace", name, "--tp", str(tp), "--hf-dir", str(hf_dir), "--log-dir", str(log_dir)]
+        for key, value in extra.items():
+            args += [f"--{key.replace('_', '-')}", value]
+        env = {"DYN_SYSTEM_PORT": str(port), "DYN_SYSTEM_HOST": "127.0.0.1", "DYN_NAMESPACE": name}
+        self.child = Child(name, sys.executable, str(HERE / "_dynamo_worker.py"), args, log_dir, env, 600.0)
+        self.name = name
+        self.tp = tp
+        self.system_url = f"http://127.0.0.1:{port}"
+        self.current = hf_dir  # the checkpoint the live weights equal
+
+    def call(self, cmd: str, arg: Any = None) -> Any:
+        return self.child.call(cmd, arg, timeout_s=600.0)
+
+    def calls(self) -> list[str]:
+        """Engine-client calls the routes made since the last ask, as 'name' or 'rpc:method'."""
+        return [f"rpc:{d}" if n == "collective_rpc" else n for n, d in self.call("calls")]
+
+    def ranks(self, cmd: str, arg: Any = None) -> list[Any]:
+        return self.call("ranks", (cmd, arg))
+
+    def check(self, hf_dir: Path) -> None:
+        """Every live parameter of every rank equals ``hf_dir`` loaded by vLLM's own loader."""
+        for rank, report in enumerate(self.ranks("check", str(hf_dir))):
+            assert report["compared"] > 0
+            assert report["mismatched"] == [], f"{self.name} rank {rank}: {report['mismatched']} differ from {hf_dir.name}"
+
+    def assert_untouched(self) -> None:
+        self.check(self.current)
+
+    def stop(self) -> None:
+        self.child.stop()
+
+
+def start_workers(specs: list[tuple[str, int]], hf_dir: Path, log_dir: Path, **extra: str) -> list[DynamoWorkerProc]:
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(DynamoWorkerProc, name, tp, hf_dir, log_dir, **extra) for name, tp in specs]
+    workers, errors = [], []
+    for future in futures:
+        try:
+            workers.append(future.result())
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        for worker in workers:
+            worker.stop()
+        raise errors[0]
+    return workers
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {v: build_version(root, v) for v in range(5)}
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def dynamo_workers(ckpts: dict[int, Path], log_dir: Path) -> Iterator[list[DynamoWorkerProc]]:
+    """Two Dynamo workers: one in front of a vLLM TP 1 rank, one in front of TP 2 ranks."""
+    workers = start_workers([("dyn-a", 1), ("dyn-b", 2)], ckpts[0], log_dir)
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture
+def model_name(request: pytest.FixtureRequest) -> str:
+    return "dyn-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:60]
