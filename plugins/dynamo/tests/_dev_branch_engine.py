@@ -2,9 +2,8 @@
 ``WeightTransferEngine`` registered as ``mx`` whose init info has that branch's native-path
 keys. Only its name and init-info shape matter to the backend-name rule under test.
 
-``python _dev_branch_engine.py ORDER`` prints a JSON report of what each backend name resolves
-to after registering in ORDER (``dynamo-first`` or ``mx-refit-first``), in a fresh process so
-vLLM's registries start empty.
+``python _dev_branch_engine.py ORDER...`` prints a JSON report, per ORDER (``dynamo-first`` or
+``mx-refit-first``), of what each backend name resolves to after registering in that order.
 """
 
 from __future__ import annotations
@@ -46,10 +45,19 @@ class DevMxEngine(WeightTransferEngine[DevMxInitInfo, DevMxUpdateInfo]):
     def shutdown(self): ...
 
 
-def main(order: str) -> None:
+def resolve(order: str) -> dict:
+    """Register in ``order`` (``dynamo-first`` or ``mx-refit-first``) on empty-of-mx registries
+    and report what each name resolves to. Runs every ``vllm.general_plugins`` entry point, as
+    vLLM does in each of its processes."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as Factory
-    from vllm.plugins import load_general_plugins
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as Trainers
+    from vllm.plugins import load_plugins_by_group
 
+    from _dev_branch_engine import DevMxEngine  # by its module name, not __main__
+
+    for factory in (Factory, Trainers):  # start each order from vLLM's built-ins only
+        for name in ("mx", "mx_refit"):
+            factory._registry.pop(name, None)
     warnings: list[str] = []
 
     class Collect(logging.Handler):
@@ -57,14 +65,20 @@ def main(order: str) -> None:
             if record.levelno >= logging.WARNING:
                 warnings.append(record.getMessage())
 
-    logging.getLogger("mx_refit_dynamo").addHandler(Collect())
-    logging.getLogger("mx_refit_vllm").addHandler(Collect())
-    report: dict = {"order": order}
+    collect = Collect()
+    for name in ("mx_refit_dynamo", "mx_refit_vllm"):
+        logging.getLogger(name).addHandler(collect)
+
+    def load_plugins() -> None:
+        for plugin in load_plugins_by_group("vllm.general_plugins").values():
+            plugin()
+
+    report: dict = {}
     if order == "dynamo-first":
         Factory.register_engine("mx", DevMxEngine)
-        load_general_plugins()
+        load_plugins()
     else:
-        load_general_plugins()
+        load_plugins()
         try:
             Factory.register_engine("mx", DevMxEngine)
         except ValueError as exc:
@@ -77,13 +91,14 @@ def main(order: str) -> None:
     report["classes"] = {name: Factory._registry[name]().__name__ for name in ("mx", "mx_refit")}
     report["warnings"] = warnings
     if report["classes"]["mx"] == "DevMxEngine":
-        engine = object.__new__(DevMxEngine)
         try:
-            engine.parse_init_info(MxInitInfo(catalog="h:1", model="m").to_dict())
+            object.__new__(DevMxEngine).parse_init_info(MxInitInfo(catalog="h:1", model="m").to_dict())
         except ValueError as exc:
             report["foreign_init_error"] = str(exc)
-    print(json.dumps(report))
+    for name in ("mx_refit_dynamo", "mx_refit_vllm"):
+        logging.getLogger(name).removeHandler(collect)
+    return report
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    print(json.dumps({order: resolve(order) for order in sys.argv[1:]}))

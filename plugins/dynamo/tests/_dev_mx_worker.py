@@ -10,13 +10,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent.parent / "vllm_engine" / "tests")]
 
+import _vllm_worker  # noqa: E402  (first: it selects vLLM's CPU platform before vLLM loads)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
 
 from _dev_branch_engine import DevMxEngine  # noqa: E402
 
 WeightTransferEngineFactory.register_engine("mx", DevMxEngine)
-
-import _vllm_worker  # noqa: E402
 
 if __name__ == "__main__":
     _vllm_worker.main()

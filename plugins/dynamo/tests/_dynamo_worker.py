@@ -28,6 +28,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from types import SimpleNamespace
 
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator: vLLM's CPU platform
 HERE = Path(__file__).resolve().parent
 VLLM_TESTS = HERE.parent.parent / "vllm_engine" / "tests"
 sys.path[:0] = [str(HERE), str(VLLM_TESTS)]
@@ -130,6 +131,12 @@ async def serve(args, group: Group, conn) -> None:
     runtime.shutdown()
 
 
+def _import_dynamo() -> None:
+    import dynamo.runtime  # noqa: F401
+    import dynamo.vllm.handlers  # noqa: F401
+    import dynamo.vllm.worker_factory  # noqa: F401
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--listen", required=True)
@@ -142,6 +149,9 @@ def main() -> None:
     args = parser.parse_args()
     host, port = args.listen.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
+    # Dynamo's modules import (tens of seconds) while the vLLM ranks start, not after.
+    preload = threading.Thread(target=_import_dynamo, daemon=True)
+    preload.start()
     try:
         dist_port = free_port()
         extra = args.worker_args.split() if args.worker_args else []
@@ -154,6 +164,7 @@ def main() -> None:
     except BaseException:
         conn.send(("err", ("StartupError", traceback.format_exc())))
         return
+    preload.join()
     try:
         asyncio.run(serve(args, group, conn))
     except BaseException:

@@ -14,17 +14,19 @@ import pytest
 from conftest import HERE
 
 
-def resolve(order: str) -> dict:
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    """Both orders, in one fresh process (vLLM's registries are process-global)."""
     out = subprocess.run(
-        [sys.executable, str(HERE / "_dev_branch_engine.py"), order],
-        capture_output=True, text=True, timeout=300, cwd=HERE,
+        [sys.executable, str(HERE / "_dev_branch_engine.py"), "dynamo-first", "mx-refit-first"],
+        capture_output=True, text=True, timeout=600, cwd=HERE,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_dynamo_first_keeps_mx_and_mx_refit_is_still_reachable_by_its_alias() -> None:
-    report = resolve("dynamo-first")
+def test_dynamo_first_keeps_mx_and_mx_refit_is_still_reachable_by_its_alias(reports) -> None:
+    report = reports["dynamo-first"]
     assert report["owner"] == {"mx": "_dev_branch_engine", "mx_refit": "mx-refit"}
     assert report["classes"] == {"mx": "DevMxEngine", "mx_refit": "MxWeightTransferEngine"}
     assert report["trainer_owner"] == "mx-refit"
@@ -34,8 +36,8 @@ def test_dynamo_first_keeps_mx_and_mx_refit_is_still_reachable_by_its_alias() ->
     assert "Invalid init_info for DevMxEngine" in report["foreign_init_error"]
 
 
-def test_mx_refit_first_owns_mx_and_dynamo_s_registration_fails_loudly() -> None:
-    report = resolve("mx-refit-first")
+def test_mx_refit_first_owns_mx_and_dynamo_s_registration_fails_loudly(reports) -> None:
+    report = reports["mx-refit-first"]
     assert report["owner"] == {"mx": "mx-refit", "mx_refit": "mx-refit"}
     assert report["classes"] == {"mx": "MxWeightTransferEngine", "mx_refit": "MxWeightTransferEngine"}
     assert "'mx' is already registered" in report["dynamo_registration_error"]

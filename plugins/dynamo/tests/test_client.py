@@ -127,7 +127,7 @@ def test_update_failures_resume_keep_weights_and_the_next_cycle_works(
             assert worker.calls() == FAILED_UPDATE, "not resumed, or finished after vLLM ended the session"
             worker.assert_untouched()
 
-    failing_cycle(99, f"version 99 of '{model_name}'")  # unknown version
+    failing_cycle(99, f"'{model_name}' has no version 99")  # unknown version
 
     down = start_embedded()
     client.init_weight_transfer_engine({**init, "catalog": down.address})
