@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Client
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 VLLM_TESTS = HERE.parent.parent / "vllm_engine" / "tests"
 sys.path[:0] = [str(HERE), str(VLLM_TESTS)]
 
-from _procs import Group, free_port, start_group  # noqa: E402  (the vLLM plugin's test helpers)
+from _procs import Child, Group, free_port  # noqa: E402  (the vLLM plugin's test helpers)
 
 
 class ForwardingEngineClient:
@@ -131,6 +132,26 @@ async def serve(args, group: Group, conn) -> None:
     runtime.shutdown()
 
 
+def start_ranks(prefix: str, script: str, per_rank: list[list[str]], log_dir: Path) -> Group:
+    """The vLLM ranks, started together, with a start-up budget for a loaded 2-core machine."""
+    with ThreadPoolExecutor(len(per_rank)) as pool:
+        futures = [
+            pool.submit(Child, f"{prefix}-{r}", sys.executable, script, args, log_dir, None, 1200.0)
+            for r, args in enumerate(per_rank)
+        ]
+    children, failures = [], []
+    for future in futures:
+        try:
+            children.append(future.result())
+        except Exception as exc:
+            failures.append(exc)
+    if failures:
+        for child in children:
+            child.kill()
+        raise failures[0]
+    return Group(children)
+
+
 def _import_dynamo() -> None:
     import dynamo.runtime  # noqa: F401
     import dynamo.vllm.handlers  # noqa: F401
@@ -160,7 +181,7 @@ def main() -> None:
             for r in range(args.tp)
         ]
         script = args.worker_script if (HERE / args.worker_script).exists() else str(VLLM_TESTS / args.worker_script)
-        group = start_group(f"{args.namespace}-vllm", sys.executable, str(HERE / script), per_rank, Path(args.log_dir))
+        group = start_ranks(f"{args.namespace}-vllm", str(HERE / script), per_rank, Path(args.log_dir))
     except BaseException:
         conn.send(("err", ("StartupError", traceback.format_exc())))
         return

@@ -70,7 +70,7 @@ class DynamoWorkerProc:
         for key, value in extra.items():
             args += [f"--{key.replace('_', '-')}", value]
         env = {"DYN_SYSTEM_PORT": str(port), "DYN_SYSTEM_HOST": "127.0.0.1", "DYN_NAMESPACE": name}
-        self.child = Child(name, sys.executable, str(HERE / "_dynamo_worker.py"), args, log_dir, env, 600.0)
+        self.child = Child(name, sys.executable, str(HERE / "_dynamo_worker.py"), args, log_dir, env, 1500.0)
         self.name = name
         self.tp = tp
         self.system_url = f"http://127.0.0.1:{port}"

@@ -127,6 +127,7 @@ def test_update_failures_resume_keep_weights_and_the_next_cycle_works(
             assert worker.calls() == FAILED_UPDATE, "not resumed, or finished after vLLM ended the session"
             worker.assert_untouched()
 
+    sources.append(publish_hf(mx_catalog, model_name, 4, ckpts[4]))  # READY, for the last cycle
     failing_cycle(99, f"'{model_name}' has no version 99")  # unknown version
 
     down = start_embedded()
@@ -140,7 +141,6 @@ def test_update_failures_resume_keep_weights_and_the_next_cycle_works(
     doomed.wait(10)
     failing_cycle(3, "TransferError|NIXL|transfer")  # its source died before the reads
 
-    sources.append(publish_hf(mx_catalog, model_name, 4, ckpts[4]))
     client.refit(4)
     for worker in dynamo_workers:
         worker.check(ckpts[4])
