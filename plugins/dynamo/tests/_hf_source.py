@@ -16,8 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "vllm_eng
 def main() -> None:
     from _checkpoints import load_version
 
-    from mx_refit.publisher import Publisher  # FRONTDOOR: from mx_refit import
-    from mx_refit.types import PublishedTensor
+    from mx_refit import PublishedTensor, Publisher
 
     catalog, model, version, hf_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     tensors = load_version(hf_dir)

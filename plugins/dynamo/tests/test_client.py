@@ -64,9 +64,9 @@ def megatron(dynamo_workers, ckpts, log_dir):
     python = core_python()
     if python is None:
         pytest.fail("the core venv (megatron-core + Megatron-Bridge) is needed: set MX_REFIT_CORE_PYTHON")
-    from mx_refit.catalog.server import start_embedded
+    from mx_refit import start_catalog
 
-    server = start_embedded()
+    server = start_catalog()
     port = free_port()
     readers = sum(w.tp for w in dynamo_workers)  # one reader per vLLM rank
     args = [
@@ -109,7 +109,7 @@ def test_update_failures_resume_keep_weights_and_the_next_cycle_works(
     dynamo_workers, ckpts, mx_catalog, model_name, sources
 ) -> None:
     """Case 2: unknown version, catalog down, a source killed before the reads finish."""
-    from mx_refit.catalog.server import start_embedded
+    from mx_refit import start_catalog
 
     client = client_for(dynamo_workers, timeout_s=300.0)
     init = {"catalog": mx_catalog, "model": model_name, "transfer_timeout_s": 30.0}
@@ -130,7 +130,7 @@ def test_update_failures_resume_keep_weights_and_the_next_cycle_works(
     sources.append(publish_hf(mx_catalog, model_name, 4, ckpts[4]))  # READY, for the last cycle
     failing_cycle(99, f"'{model_name}' has no version 99")  # unknown version
 
-    down = start_embedded()
+    down = start_catalog()
     client.init_weight_transfer_engine({**init, "catalog": down.address})
     down.stop(0)
     failing_cycle(1, "Unavailable|unreachable|catalog")  # catalog down

@@ -37,11 +37,10 @@ def published(ckpts) -> Iterator[tuple[str, str]]:
     """Versions 1 and 2 of model 'ext-model', published whole from this process."""
     from _checkpoints import load_version
 
-    from mx_refit.publisher import Publisher  # FRONTDOOR: from mx_refit import
-    from mx_refit.types import PublishedTensor
-    from mx_refit.catalog.server import start_embedded
+    from mx_refit import PublishedTensor, Publisher
+    from mx_refit import start_catalog
 
-    server = start_embedded()
+    server = start_catalog()
     keep, publishers = [], []
     for version in (1, 2):
         tensors = load_version(ckpts[version])
