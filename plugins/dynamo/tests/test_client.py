@@ -45,9 +45,11 @@ def publish_hf(catalog: str, model: str, version: int, hf_dir: Path) -> subproce
         stdout=subprocess.PIPE,
         text=True,
     )
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert line.strip() == "ready", f"source for v{version} did not come up (exit {proc.poll()})"
-    return proc
+    assert proc.stdout is not None
+    for line in proc.stdout:  # NIXL logs to stdout too
+        if line.strip() == "ready":
+            return proc
+    raise AssertionError(f"source for v{version} did not come up (exit {proc.wait(10)})")
 
 
 @pytest.fixture
