@@ -46,7 +46,7 @@ def register() -> None:
         except ImportError as exc:
             log.debug("mx-refit-dynamo: no vLLM weight-transfer factory (%s); nothing registered", exc)
             return
-        import mx_refit_vllm
+        import mx_refit_vllm  # type: ignore[import-not-found]
 
         mx_refit_vllm.register()  # claims "mx" when it is free; leaves it alone otherwise
         for factory_name, target in _TARGETS.items():
@@ -61,8 +61,7 @@ def register() -> None:
             owner = backend_owner("mx", factory_name)
             if owner not in ("mx-refit", None):
                 log.warning(
-                    "vLLM %s: backend 'mx' belongs to %s, not mx-refit; select mx-refit with "
-                    "backend %r",
+                    "vLLM %s: backend 'mx' belongs to %s, not mx-refit; select mx-refit with backend %r",
                     factory_name,
                     owner,
                     ALIAS,

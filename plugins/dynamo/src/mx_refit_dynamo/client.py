@@ -210,7 +210,9 @@ class DynamoRefitClient:
         payloads = self._split(update_info)
         missing = [w.system_url for w in self.workers if w.system_url not in self._started]
         if missing:
-            raise InvalidArgument(f"update_weights: no update session is open on {missing}; call start_weight_update")
+            raise InvalidArgument(
+                f"update_weights: no update session is open on {missing}; call start_weight_update"
+            )
 
         def update(worker: DynamoWorker) -> None:
             body = self._update_body("update_weights", update_info=payloads[worker.system_url])
@@ -232,7 +234,9 @@ class DynamoRefitClient:
         open_ = [w for w in self.workers if w.system_url in self._started]
         _, failures = self._each(
             open_,
-            lambda w: self._post(w, "update_weights_from_distributed", self._update_body("finish_weight_update", **extra)),
+            lambda w: self._post(
+                w, "update_weights_from_distributed", self._update_body("finish_weight_update", **extra)
+            ),
         )
         self._started.clear()
         resumed, resume_failures = self._resume_all()
@@ -266,7 +270,9 @@ class DynamoRefitClient:
         self.start_weight_update()
         self.update_weights(update_info)
         self.finish_weight_update(label)
-        return CycleReport(version=version, workers=tuple(w.system_url for w in self.workers), weight_version=label)
+        return CycleReport(
+            version=version, workers=tuple(w.system_url for w in self.workers), weight_version=label
+        )
 
     def refit_via_extension(
         self, version: int, *, mx_config: dict[str, Any] | None = None, weight_version: str | None = None
@@ -279,7 +285,11 @@ class DynamoRefitClient:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidArgument(f"version: expected an integer >= 0, got {version!r}")
         label = str(version) if weight_version is None else str(weight_version)
-        body: dict[str, Any] = {"engine_rpc": "update_weights_via_mx", "version": version, "weight_version": label}
+        body: dict[str, Any] = {
+            "engine_rpc": "update_weights_via_mx",
+            "version": version,
+            "weight_version": label,
+        }
         if mx_config is not None:
             body["mx_config"] = json.loads(json.dumps(dict(mx_config)))
         if not self.pause:
@@ -298,7 +308,9 @@ class DynamoRefitClient:
         for url, message in resume_failures.items():
             failures[url] = f"{failures[url]}; {message}" if url in failures else message
         if failures:
-            raise DynamoRefitError("update_weights_via_mx", failures, resumed=resumed, updated=sorted(self._updated))
+            raise DynamoRefitError(
+                "update_weights_via_mx", failures, resumed=resumed, updated=sorted(self._updated)
+            )
 
     def weight_versions(self) -> dict[str, Any]:
         """Each worker's declared weight version (``get_weight_version``)."""
@@ -348,7 +360,9 @@ class DynamoRefitClient:
         open_ = [w for w in self.workers if w.system_url in self._started]
         _, finish_failures = self._each(
             open_,
-            lambda w: self._post(w, "update_weights_from_distributed", self._update_body("finish_weight_update")),
+            lambda w: self._post(
+                w, "update_weights_from_distributed", self._update_body("finish_weight_update")
+            ),
         )
         self._started.clear()
         for url, message in finish_failures.items():

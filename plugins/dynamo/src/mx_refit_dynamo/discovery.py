@@ -110,7 +110,9 @@ def parse_workers(
         raise InvalidArgument("/v1/rl/workers: " + "; ".join(problems))
     if not workers:
         wanted = ", ".join(f"{k}={v!r}" for k, v in (("component", component), ("model", model)) if v)
-        raise InvalidArgument(f"/v1/rl/workers: no worker{' with ' + wanted if wanted else ''} in {reply!r:.300}")
+        raise InvalidArgument(
+            f"/v1/rl/workers: no worker{' with ' + wanted if wanted else ''} in {reply!r:.300}"
+        )
     return workers
 
 

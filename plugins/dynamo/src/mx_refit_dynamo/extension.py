@@ -53,13 +53,16 @@ class MxRefitWorkerExtension:
             not isinstance(state_dict_info, dict) or not all(isinstance(k, str) for k in state_dict_info)
         ):
             raise InvalidArgument(
-                f"state_dict_info: expected a dict keyed by parameter names, got {type(state_dict_info).__name__}"
+                "state_dict_info: expected a dict keyed by parameter names, "
+                f"got {type(state_dict_info).__name__}"
             )
         if mx_config is not None:
             mapped = map_mx_config(mx_config, default_model=self._mx_refit_model_name())
             self._mx_refit_init(mapped.init_info)
 
-    def update_weights_via_mx(self, *, version: int, mx_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    def update_weights_via_mx(
+        self, *, version: int, mx_config: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Pull ``version`` from the mx-refit catalog and load it; raise on any failure.
 
         ``mx_config`` takes the upstream keys (``mx_server_url``, ``timeout_seconds``, ...);
@@ -113,7 +116,7 @@ class MxRefitWorkerExtension:
 
     def _mx_refit_engine(self) -> Any:
         """The worker's own engine when it runs mx-refit's backend, else one built for it."""
-        from mx_refit_vllm.engine import MxWeightTransferEngine
+        from mx_refit_vllm.engine import MxWeightTransferEngine  # type: ignore[import-not-found]
 
         own = getattr(self, "weight_transfer_engine", None)
         if isinstance(own, MxWeightTransferEngine):

@@ -27,7 +27,8 @@ __all__ = ["MAPPING", "MappedConfig", "map_mx_config"]
 
 # key -> what happens to it (the README's table).
 MAPPING: dict[str, str] = {
-    "mx_server_url": "`MxInitInfo.catalog` (`host:port`; a `grpc://`/`http://` prefix is dropped). Must be an mx-refit catalog, not a ModelExpress server.",
+    "mx_server_url": "`MxInitInfo.catalog` (`host:port`; a `grpc://`/`http://` prefix is dropped). "
+    "Must be an mx-refit catalog, not a ModelExpress server.",
     "model_name": "`MxInitInfo.model`; default: the worker's served model name.",
     "enabled": "must be `true` (`false` is refused: the caller asked for no MX refit).",
     "timeout_seconds": "`MxInitInfo.transfer_timeout_s` and `MxUpdateInfo.wait_s`.",
@@ -36,10 +37,12 @@ MAPPING: dict[str, str] = {
     "token": "`MxInitInfo.token` (the catalog's bearer token; mx-refit only).",
     "same_rank_only": "`false` accepted (the planner picks sources by the bytes it needs); `true` refused.",
     "tree_scale_out": "`false` accepted; `true` refused (no tree fan-out: workers read trainer sources).",
-    "moe_expert_filter": "`true` accepted (experts are filtered by the worker's own EP rank); `false` refused.",
+    "moe_expert_filter": "`true` accepted (experts are filtered by the worker's own EP rank); "
+    "`false` refused.",
     "expert_placement": '`"linear"` accepted (vLLM\'s default placement); anything else refused.',
     "use_arena": "`true` accepted (mx-refit always receives into one registered arena); `false` refused.",
-    "buffer_loc": '`"host"`/`"cpu"` -> `MxInitInfo.arena_device="cpu"`; `"device"`/`"gpu"`/`"cuda"` -> the worker\'s device.',
+    "buffer_loc": '`"host"`/`"cpu"` -> `MxInitInfo.arena_device="cpu"`; '
+    '`"device"`/`"gpu"`/`"cuda"` -> the worker\'s device.',
     "ep_world_size": "refused: derived from the worker's parallel config.",
     "ep_rank": "refused: derived from the worker's parallel config.",
     "num_experts": "refused: derived from the model.",
@@ -49,7 +52,14 @@ MAPPING: dict[str, str] = {
     "verify_gt_path": "refused: verify offline with `mx-refit verify`.",
 }
 # mx-refit's own keys, accepted as they are (init info fields, then update info fields).
-NATIVE_INIT = ("arena_device", "lease_ttl_s", "transfer_timeout_s", "ready_timeout_s", "load_batch_bytes", "strict_names")
+NATIVE_INIT = (
+    "arena_device",
+    "lease_ttl_s",
+    "transfer_timeout_s",
+    "ready_timeout_s",
+    "load_batch_bytes",
+    "strict_names",
+)
 NATIVE_UPDATE = ("wait_s",)
 
 _REFUSED = {k for k, v in MAPPING.items() if v.startswith("refused")}
@@ -98,7 +108,9 @@ def map_mx_config(
     init: dict[str, Any] = {k: config[k] for k in NATIVE_INIT if config.get(k) is not None}
     update: dict[str, Any] = {k: config[k] for k in NATIVE_UPDATE if config.get(k) is not None}
     if config.get("mx_server_url") is None:
-        raise InvalidArgument("mx_config.mx_server_url: missing; point it at the mx-refit catalog (host:port)")
+        raise InvalidArgument(
+            "mx_config.mx_server_url: missing; point it at the mx-refit catalog (host:port)"
+        )
     init["catalog"] = _catalog_address(config["mx_server_url"])
     model = config.get("model_name") or default_model
     if not model:
@@ -115,7 +127,9 @@ def map_mx_config(
         if location in ("host", "cpu"):
             init["arena_device"] = "cpu"
         elif location not in ("device", "gpu", "cuda"):
-            raise InvalidArgument(f"mx_config.buffer_loc={location!r}: expected 'host', 'cpu', 'device', 'gpu' or 'cuda'")
+            raise InvalidArgument(
+                f"mx_config.buffer_loc={location!r}: expected 'host', 'cpu', 'device', 'gpu' or 'cuda'"
+            )
     configured = config.get("version")
     if version is not None and configured is not None and configured != version:
         raise InvalidArgument(f"mx_config.version={configured!r} contradicts version={version!r}")
@@ -144,8 +158,12 @@ def _catalog_address(url: Any) -> str:
     if "://" in text:
         parts = urlsplit(text)
         if parts.scheme not in ("grpc", "http", "https") or not parts.hostname or not parts.port:
-            raise InvalidArgument(f"mx_config.mx_server_url: expected 'host:port' or 'grpc://host:port', got {url!r}")
+            raise InvalidArgument(
+                f"mx_config.mx_server_url: expected 'host:port' or 'grpc://host:port', got {url!r}"
+            )
         if parts.path.strip("/"):
-            raise InvalidArgument(f"mx_config.mx_server_url: {url!r} has a path; an mx-refit catalog is host:port")
+            raise InvalidArgument(
+                f"mx_config.mx_server_url: {url!r} has a path; an mx-refit catalog is host:port"
+            )
         return parts.netloc
     return text
