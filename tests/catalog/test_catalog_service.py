@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from catalog_factories import FakeClock, desc, publish_ready, source, tp_source
@@ -196,7 +197,18 @@ def test_lease_lifecycle(service: CatalogService) -> None:
     service.heartbeat(lease_ids=[lease])
     service.release_lease(lease)
     assert service.list_versions("m")[0].leases == 0
-    with pytest.raises(NotFound, match=f"unknown or expired lease '{lease}'"):
+    service.release_lease(lease)  # a retry after a lost reply: a no-op, not an ambiguous NotFound
+    with pytest.raises(NotFound, match="unknown or expired lease 'ghost'.*not known to this catalog"):
+        service.release_lease("ghost")
+
+
+def test_an_expired_lease_says_its_ttl_ran_out(service: CatalogService, clock: FakeClock) -> None:
+    publish_ready(service, "m", 1)
+    lease = service.acquire_lease("m", 1, "reader-0", ttl_s=2)
+    clock.advance(3)
+    with pytest.raises(NotFound, match="TTL of 2 s ran out"):
+        service.heartbeat(lease_ids=[lease])
+    with pytest.raises(NotFound, match="TTL of 2 s ran out"):
         service.release_lease(lease)
 
 
@@ -363,8 +375,9 @@ def test_dead_source_expires_every_live_version_it_belongs_to(
         service.get_version("m")
     with pytest.raises(NotFound, match=r"unknown or expired source_ids \['tp1'\]"):
         service.heartbeat(source_ids=["tp1"])
-    with pytest.raises(FailedPrecondition, match="is EXPIRED; source 'tp1' cannot be replaced"):
-        service.register_source("m", 3, 2, tp_source(1, 2))
+    # A dead version's number may be published afresh (a restarted job republishing it).
+    assert service.register_source("m", 3, 2, tp_source(1, 2)) is PENDING
+    assert [s.registered_sources for s in service.list_versions("m")] == [2, 2, 1]
 
 
 def test_expiry_applies_on_the_next_call_even_without_a_reaper(
@@ -453,3 +466,51 @@ def test_concurrent_registrations_from_many_ranks(service: CatalogService) -> No
     assert {s.mesh for s in info.sources} == {
         MeshPosition(tp_rank=r, tp_size=size) for r in range(size)
     }
+
+
+# --- incarnations: liveness follows the process ----------------------------------------------
+
+
+def incarnate(src, incarnation: str):
+    return replace(src, incarnation=incarnation, ready=True)
+
+
+def test_a_restarted_rank_expires_its_predecessors_versions_at_once(service: CatalogService) -> None:
+    service.register_source("m", 1, 1, incarnate(source("r0"), "A"), ttl_s=60)
+    service.register_source("m", 2, 1, incarnate(source("r0"), "A"), ttl_s=60)
+    assert service.register_source("m", 3, 1, incarnate(source("r0"), "B"), ttl_s=60) is READY
+    assert [(s.version, s.state) for s in service.list_versions("m")] == [(1, EXPIRED), (2, EXPIRED), (3, READY)]
+    assert service.get_version("m").version == 3
+    with pytest.raises(FailedPrecondition, match=r"'r0' \(registered by incarnation 'B', not 'A'\)"):
+        service.heartbeat(source_ids=["r0"], incarnations={"r0": "A"})  # the stale process learns it
+    service.heartbeat(source_ids=["r0"], incarnations={"r0": "B"})
+
+
+def test_a_restarted_rank_republishes_its_predecessors_version_number(service: CatalogService) -> None:
+    service.register_source("m", 5, 1, incarnate(source("r0"), "A"))
+    lease = service.acquire_lease("m", 5, "reader")
+    assert service.register_source("m", 5, 1, incarnate(source("r0", metadata=b"new"), "B")) is READY
+    info = service.get_version("m", 5)
+    assert info.sources[0].incarnation == "B" and info.sources[0].agent_metadata == b"new"
+    service.release_lease(lease)  # the lease on the dead record still ends cleanly
+    assert service.list_versions("m")[0].leases == 0
+
+
+def test_a_restarted_rank_joins_a_pending_version_keeping_the_other_ranks(service: CatalogService) -> None:
+    service.register_source("m", 1, 2, incarnate(tp_source(0, 2), "A0"))
+    service.register_source("m", 1, 2, incarnate(tp_source(1, 2), "A1"), ttl_s=60)
+    service.retire_version("m", 1)  # leave version 1 behind; version 2 is PENDING
+    service.register_source("m", 2, 2, incarnate(tp_source(1, 2), "A1"))
+    assert service.register_source("m", 2, 2, incarnate(tp_source(1, 2), "B1")) is PENDING
+    assert service.register_source("m", 2, 2, incarnate(tp_source(0, 2), "A0")) is READY
+    assert [s.registered_sources for s in service.list_versions("m")] == [2, 2]
+
+
+def test_a_rejected_registration_does_not_expire_the_predecessor(service: CatalogService) -> None:
+    service.register_source("m", 1, 1, incarnate(source("r0"), "A"))
+    service.register_source("m", 2, 2, replace(source("r0", tp_size=2), incarnation="A"))  # PENDING
+    service.register_source("m", 2, 2, replace(source("x", tp_rank=1, tp_size=2), incarnation="X"))
+    with pytest.raises(InvalidArgument, match="source.mesh: position .* already held by source 'x'"):
+        service.register_source("m", 2, 2, replace(source("r0", tp_rank=1, tp_size=2), incarnation="B"))
+    assert [s.state for s in service.list_versions("m")] == [READY, PENDING]
+    service.heartbeat(source_ids=["r0"], incarnations={"r0": "A"})  # still the live incarnation

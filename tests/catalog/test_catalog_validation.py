@@ -232,8 +232,8 @@ def test_more_sources_than_expected(seeded: CatalogService) -> None:
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [
-        (MeshPosition(tp_rank=2, tp_size=2), "source.mesh.tp_rank must be in [0, 2), got 2"),
-        (MeshPosition(pp_size=0), "source.mesh.pp_size must be >= 1, got 0"),
+        (MeshPosition(tp_rank=2, tp_size=2), "source.mesh.tp_rank: must be in [0, 2), got 2"),
+        (MeshPosition(pp_size=0), "source.mesh.pp_size: must be >= 1, got 0"),
         (MeshPosition(ep_rank="0"), "source.mesh.ep_rank: must be an integer, got '0'"),  # type: ignore[arg-type]
     ],
 )

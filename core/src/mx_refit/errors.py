@@ -12,6 +12,7 @@ __all__ = [
     "FailedPrecondition",
     "InvalidArgument",
     "MissingExtra",
+    "LeaseLost",
     "MxRefitError",
     "NotFound",
     "TransferError",
@@ -55,6 +56,17 @@ class TransferError(MxRefitError):
 class ClassificationError(MxRefitError, ValueError):
     """A parameter cannot be classified (or published in place), or a role override is
     malformed; the message names it."""
+
+
+class LeaseLost(MxRefitError):
+    """A refit's lease was not held continuously, so the pulled bytes cannot be trusted (the
+    publisher may have mutated them). Nothing reached the engine. ``cause`` says why: the TTL ran
+    out, heartbeats could not reach the catalog, or the catalog lost the lease (a restart)."""
+
+    def __init__(self, message: str, *, lease_id: str, cause: str) -> None:
+        super().__init__(message)
+        self.lease_id = lease_id
+        self.cause = cause
 
 
 class CoverageError(MxRefitError):

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mx_refit._backoff import Backoff
 from mx_refit._heartbeat import Heartbeat
-from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
+from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from mx_refit.types import MemType, MeshPosition, PublishedTensor, SourceInfo, TensorDescriptor, VersionState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,9 +26,31 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.transport.base import Transport
     from mx_refit.transport.nixl import NixlTransport
 
-__all__ = ["Publisher", "describe"]
+__all__ = ["Publisher", "describe", "process_incarnation"]
 
 log = logging.getLogger(__name__)
+
+# Sources heartbeat at a third of their TTL, but at least this often, so a publisher notices a
+# restarted catalog (and re-registers) within a few seconds.
+_MAX_BEAT_INTERVAL_S = 2.0
+_incarnation: tuple[int, str] | None = None
+
+
+def process_incarnation() -> str:
+    """This process's incarnation: unique per process start (a forked child gets its own)."""
+    global _incarnation
+    if _incarnation is None or _incarnation[0] != os.getpid():
+        _incarnation = (os.getpid(), f"{os.getpid()}-{time.time_ns():x}-{uuid.uuid4().hex[:8]}")
+    return _incarnation[1]
+
+
+@dataclass(frozen=True)
+class _Live:
+    """A published version whose buffers are still intact (not yet drained): what it takes to
+    register it again with a catalog that lost it."""
+
+    source: SourceInfo
+    sidecar: dict[str, Any]
 
 
 def describe(published: PublishedTensor) -> TensorDescriptor:
@@ -96,6 +121,10 @@ class Publisher:
         self.model = model
         self.mesh = mesh or MeshPosition()
         self.mesh.validate()
+        if isinstance(expected_sources, bool) or not isinstance(expected_sources, int) or expected_sources < 1:
+            raise InvalidArgument(f"expected_sources: must be an integer >= 1, got {expected_sources!r}")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (0 < ttl_s < math.inf):
+            raise InvalidArgument(f"ttl_s: must be a finite number of seconds > 0, got {ttl_s!r}")
         self.expected_sources = expected_sources
         # Stable per mesh position, so a restarted rank replaces its own entry.
         self.source_id = source_id or (
@@ -112,7 +141,14 @@ class Publisher:
         self._owns_transport = self.transport is not transport  # ours (a given one stays open)
         self._last_published: int | None = None
         self._last_drained: int | None = None
-        self._heartbeat = Heartbeat(self._beat, ttl_s / 3, name=f"mx-refit-publisher[{self.source_id}]")
+        self.incarnation = process_incarnation()
+        self._live: dict[int, _Live] = {}
+        self._live_lock = threading.Lock()  # held while re-registering: drains wait for it
+        self.reregistrations = 0  # versions registered again with a catalog that lost them
+        self.superseded: str | None = None  # set when a restarted rank took this source_id over
+        self._heartbeat = Heartbeat(
+            self._beat, min(ttl_s / 3, _MAX_BEAT_INTERVAL_S), name=f"mx-refit-publisher[{self.source_id}]"
+        )
 
     @classmethod
     def from_config(
@@ -150,7 +186,37 @@ class Publisher:
         return cls(_catalog_from_config(cfg, catalog), kwargs.pop("model", cfg.model_name), **kwargs)
 
     def _beat(self) -> None:
-        self.client.heartbeat(source_ids=[self.source_id])
+        try:
+            self.client.heartbeat(
+                source_ids=[self.source_id], incarnations={self.source_id: self.incarnation}
+            )
+        except NotFound:
+            # The catalog lost this source (it restarted, or our TTL lapsed): register every
+            # version whose buffers are still intact again, so readers resume.
+            self._reregister()
+        except FailedPrecondition as exc:
+            if self.superseded is None:
+                log.error("%s: replaced by a restarted rank; this publisher is stale: %s", self.source_id, exc)
+            self.superseded = str(exc)
+            raise
+
+    def _reregister(self) -> None:
+        with self._live_lock:
+            for version, live in sorted(self._live.items()):
+                try:
+                    self.client.register_source(
+                        model=self.model, version=version, expected_sources=self.expected_sources,
+                        source=live.source, sidecar=live.sidecar, ttl_s=self.ttl_s,
+                        expected_readers=self.expected_readers,
+                    )
+                except (FailedPrecondition, InvalidArgument) as exc:
+                    # The catalog holds that number in a state we cannot join (e.g. retired):
+                    # it is no longer ours to offer.
+                    log.warning("%s: not re-registering %s v%d: %s", self.source_id, self.model, version, exc)
+                    del self._live[version]
+                    continue
+                self.reregistrations += 1
+                log.info("%s: re-registered %s v%d with the catalog", self.source_id, self.model, version)
 
     def publish(
         self,
@@ -170,6 +236,8 @@ class Publisher:
         """
         if (tensors is None) == (model is None):
             raise InvalidArgument("publish: pass exactly one of tensors=... or model=...")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
+            raise InvalidArgument(f"version: must be an integer in [0, 2**63), got {version!r}")
         merged_sidecar = dict(sidecar or {})
         if model is not None:
             tensors = self.hooks.collect_tensors(model, self.mesh)
@@ -190,6 +258,7 @@ class Publisher:
             tensors=descriptors,
             regions=tuple(regions),
             cuda_ipc=cuda_ipc,
+            incarnation=self.incarnation,
         )
         self.client.register_source(
             model=self.model,
@@ -202,6 +271,12 @@ class Publisher:
         )
         state = self.client.mark_ready(model=self.model, version=version, source_id=self.source_id)
         self._last_published = version
+        with self._live_lock:
+            # Older versions published from the same buffers were overwritten by this one.
+            spans = set(source.regions)
+            for older in [v for v, live in self._live.items() if v != version and spans & set(live.source.regions)]:
+                del self._live[older]
+            self._live[version] = _Live(replace(source, ready=True), merged_sidecar)
         self._heartbeat.start()
         self.hooks.version_published(self.model, version, self.source_id, self.mesh)
         if state == VersionState.READY:
@@ -240,17 +315,42 @@ class Publisher:
 
         Call it before the trainer mutates the published buffers. Fires
         ``mx_refit_version_retired`` once the catalog retired it and ``mx_refit_version_drained``
-        once it is drained.
+        once it is drained. Every argument is checked before anything changes. A catalog that
+        does not know the version (it restarted) holds no lease on it, so the version counts as
+        drained there; an unreachable catalog is retried until ``timeout_s``, then
+        ``TimeoutError``.
 
         :param timeout_s: Default: ``drain_timeout_s``.
         """
         timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
-        self.client.retire_version(model=self.model, version=version)
-        self.hooks.version_retired(self.model, version)
-        if not self.client.wait_drained(model=self.model, version=version, timeout_s=timeout_s):
-            raise TimeoutError(
-                f"version {version} of {self.model!r} still has live reader leases after {timeout_s:g}s"
-            )
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidArgument(f"version: must be an integer >= 0, got {version!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 <= timeout_s < math.inf):
+            raise InvalidArgument(f"timeout_s: must be a finite number of seconds >= 0, got {timeout_s!r}")
+        with self._live_lock:  # from now on never re-registered
+            self._live.pop(version, None)
+        deadline = time.monotonic() + timeout_s
+        delay, retired = 0.1, False
+        while True:
+            try:
+                self.client.retire_version(model=self.model, version=version)
+                if not retired:
+                    retired = True
+                    self.hooks.version_retired(self.model, version)
+                remaining = max(deadline - time.monotonic(), 0.0)
+                if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining):
+                    break
+            except NotFound:
+                break
+            except (Unavailable, FailedPrecondition) as exc:
+                # Unreachable, or re-registered as READY by a concurrent beat: retire again.
+                log.info("%s: draining %s v%d: %s; retrying", self.source_id, self.model, version, exc)
+                time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+                delay = min(delay * 2, 1.0)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"version {version} of {self.model!r} still has live reader leases after {timeout_s:g}s"
+                )
         self._last_drained = version
         self.hooks.version_drained(self.model, version)
 

@@ -7,12 +7,12 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mx_refit._backoff import Backoff
-from mx_refit._heartbeat import Heartbeat
+from mx_refit._lease import LeaseGuard
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, TransferError
 from mx_refit.types import RefitStats, SourceInfo, TargetLayout, VersionInfo
 
@@ -76,6 +76,15 @@ class Receiver:
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
+
+        # Every argument is checked before anything is built, connected or leased.
+        for name, value in (("lease_ttl_s", lease_ttl_s), ("transfer_timeout_s", transfer_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+                raise InvalidArgument(f"{name}: must be a finite number of seconds > 0, got {value!r}")
+        if isinstance(load_batch_bytes, bool) or not isinstance(load_batch_bytes, int) or load_batch_bytes < 1:
+            raise InvalidArgument(f"load_batch_bytes: must be an integer >= 1, got {load_batch_bytes!r}")
+        if not isinstance(model, str) or not model:
+            raise InvalidArgument(f"model: must be a non-empty string, got {model!r}")
 
         self.model = model
         self.client: Catalog = as_catalog(catalog, token=token)
@@ -160,8 +169,12 @@ class Receiver:
     ) -> RefitResult:
         """Discover, lease, pull every needed byte, release, then materialise and load.
 
-        Nothing reaches the engine until every byte has arrived and been size-checked, so a
-        failed pull leaves the engine's previous weights untouched.
+        Nothing reaches the engine until every byte has arrived and been size-checked and the
+        catalog confirmed that the lease was held for the whole pull, so a failed pull leaves
+        the engine's previous weights untouched. A lease that was lost (its TTL ran out,
+        heartbeats could not reach the catalog, the catalog restarted) raises
+        :class:`~mx_refit.errors.LeaseLost` naming the lease and the cause; a renewal that
+        finds the lease gone aborts the pull at once.
 
         :param notify: fire ``mx_refit_refit_done`` at the end. Engines that load the returned
             tensors themselves pass ``False`` and call ``hooks.refit_done(result.stats)`` once
@@ -170,6 +183,8 @@ class Receiver:
         On any error ``mx_refit_refit_failed`` fires (with the version, when one was found)
         before the error is re-raised.
         """
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 <= wait_s < float("inf")):
+            raise InvalidArgument(f"wait_s: must be a finite number of seconds >= 0, got {wait_s!r}")
         attempt: list[int] = []  # the version being refitted, once discovered
         try:
             return self._refit(attempt, version, min_version, wait_s, notify)
@@ -193,26 +208,27 @@ class Receiver:
         plan_seconds = time.perf_counter() - planned
         registrations_before = self.transport.registrations
 
+        acquired_at = time.monotonic()
         lease_id = self.client.acquire_lease(
             model=self.model, version=info.version, reader_id=self.reader_id, ttl_s=self.lease_ttl_s
         )
-        heartbeat = Heartbeat(
-            lambda: self.client.heartbeat(lease_ids=[lease_id]),
-            self.lease_ttl_s / 3,
-            name=f"mx-refit-lease[{self.reader_id}]",
+        lease = LeaseGuard(
+            self.client, lease_id, self.lease_ttl_s, acquired_at=acquired_at,
+            label=f"model {self.model!r} version {info.version}",
         )
-        heartbeat.start()
-        pulled_all = False
+        lease.start()
         try:
             arena = self._arena_for(plan.arena_bytes)
             started = time.perf_counter()
-            report = self._pull(info, requests, arena)
+            report = self._pull(info, requests, arena, lease.check)
             seconds = time.perf_counter() - started
-            pulled_all = True
-        finally:
-            heartbeat.stop()
-            # Every byte is in the arena: this reader is done with the publisher's buffers.
-            self._release(lease_id, completed=pulled_all)
+        except BaseException:
+            lease.abandon()
+            raise
+        # Every byte is in the arena: this reader is done with the publisher's buffers. The
+        # catalog confirms the lease was held until now, or LeaseLost: the bytes may have been
+        # mutated under the pull, and nothing may reach the engine.
+        lease.release(completed=True)
 
         pulled = sum(report.nbytes.values())
         tensors = list(plan.materialize(arena))
@@ -240,14 +256,6 @@ class Receiver:
             self.model, info.version, stats.tensors, pulled / 1e6, seconds, stats.gbps, stats.transport,
         )
         return RefitResult(version=info, plan=plan, tensors=tensors, stats=stats)
-
-    def _release(self, lease_id: str, *, completed: bool) -> None:
-        try:
-            self.client.release_lease(lease_id=lease_id, completed=completed)
-        except NotFound:
-            # The lease already expired; the publisher may already be mutating, which the size
-            # check cannot see, so say so loudly.
-            log.warning("lease %s had expired before release; consider a longer lease_ttl_s", lease_id)
 
     def _arena_for(self, nbytes: int) -> "torch.Tensor":
         """The receive arena: registered once, reused every cycle, grown only when needed."""
@@ -296,9 +304,18 @@ class Receiver:
         info: VersionInfo,
         requests: dict[str, list[tuple[int, int, int]]],
         arena: "torch.Tensor",
+        abort_check: "Callable[[], None]",
     ) -> "ReadReport":
         sources = {s.source_id: s for s in info.sources}
-        report = self.transport.read(sources, requests, arena, timeout_s=self.transfer_timeout_s)
+        try:
+            report = self.transport.read(
+                sources, requests, arena, timeout_s=self.transfer_timeout_s,
+                abort_check=abort_check,  # a lost lease ends the pull at once
+            )
+        except TransferError as exc:
+            if exc.source_id is not None:  # most likely dead: free what we hold of it
+                self.transport.forget(exc.source_id)
+            raise
         moved = sum(report.nbytes.values())
         expected = sum(n for ranges in requests.values() for _, _, n in ranges)
         if moved != expected:

@@ -85,12 +85,18 @@ class MeshPosition:
     ep_size: int = 1
 
     def validate(self) -> None:
+        """Raise :class:`~mx_refit.errors.InvalidArgument` naming the first bad field."""
+        from mx_refit.errors import InvalidArgument
+
         for axis in ("tp", "pp", "ep"):
             rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
+            for name, value in ((f"{axis}_rank", rank), (f"{axis}_size", size)):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise InvalidArgument(f"mesh.{name}: must be an integer, got {value!r}")
             if size < 1:
-                raise ValueError(f"mesh.{axis}_size must be >= 1, got {size}")
+                raise InvalidArgument(f"mesh.{axis}_size: must be >= 1, got {size}")
             if not 0 <= rank < size:
-                raise ValueError(f"mesh.{axis}_rank must be in [0, {size}), got {rank}")
+                raise InvalidArgument(f"mesh.{axis}_rank: must be in [0, {size}), got {rank}")
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,9 @@ class SourceInfo:
     a region boundary even when two regions happen to be adjacent in memory (back-to-back
     allocations). Empty: readers treat every tensor as its own region.
 
+    ``incarnation`` identifies the publishing process (unique per process start): a restarted
+    rank registers under its predecessor's ``source_id`` with a new incarnation and replaces it.
+
     ``layout_digest`` is set by the catalog (anything a publisher sends is ignored): a stable
     hash of ``tensors`` and ``regions``, equal exactly when they are. It lets readers recognise
     an unchanged layout without walking it; being derived data, it takes no part in ``==``.
@@ -174,6 +183,7 @@ class SourceInfo:
     regions: tuple[tuple[int, int], ...] = ()
     layout_digest: str = field(default="", compare=False)
     cuda_ipc: CudaIpcExport | None = None
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from mx_refit.types import Role, SourceInfo, VersionInfo, VersionState
 
 __all__ = [
     "Deadlines",
+    "EndedLeases",
     "LeaseRecord",
     "Manifest",
     "SourceLife",
@@ -25,7 +27,9 @@ __all__ = [
     "Timed",
     "VersionRecord",
     "check_tensors_agree",
+    "find_predecessor",
     "index_tensors",
+    "republishable",
 ]
 
 
@@ -44,6 +48,7 @@ class SourceLife(Timed):
     """Liveness of one source id, across every (model, version) it registered for."""
 
     source_id: str = ""
+    incarnation: str = ""  # the process behind the id; a different one replaces it
     versions: set[tuple[str, int]] = field(default_factory=set)
 
 
@@ -153,6 +158,58 @@ def check_tensors_agree(index: TensorIndex, source: SourceInfo) -> None:
                     f"source.tensors[{i}].{attr}: {show(new)} for tensor {desc.name!r} disagrees "
                     f"with {show(old)} registered by source {known[3]!r}"
                 )
+
+
+def find_predecessor(sources: dict[str, SourceLife], src: SourceInfo) -> SourceLife | None:
+    """The live registration of ``src.source_id`` by another process, which ``src`` (a
+    restarted rank) replaces; None when there is none or either incarnation is unknown."""
+    life = sources.get(src.source_id)
+    if life is None or not life.incarnation or not src.incarnation:
+        return None
+    return life if life.incarnation != src.incarnation else None
+
+
+def republishable(rec: VersionRecord, predecessor: SourceLife | None) -> bool:
+    """Whether ``rec``'s version number may be published afresh: it EXPIRED (a source died),
+    or a restarted rank's predecessor served it and it left PENDING."""
+    if rec.state is VersionState.EXPIRED:
+        return True
+    return (
+        predecessor is not None
+        and rec.state is not VersionState.PENDING
+        and predecessor.source_id in rec.sources
+    )
+
+
+class EndedLeases:
+    """Recently ended leases (id -> how and when it ended, its TTL), bounded: a reader learns why
+    its lease is gone, and a retried release of a released lease is a no-op rather than an
+    ambiguous NotFound. A lease unknown here was never acquired, or the catalog restarted."""
+
+    def __init__(self, keep: int = 65536) -> None:
+        self._keep = keep
+        self._ended: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+
+    def add(self, lease: LeaseRecord, how: str, at: float) -> None:
+        self._ended[lease.lease_id] = (how, at, lease.ttl_s)
+        if len(self._ended) > self._keep:
+            self._ended.popitem(last=False)
+
+    def released(self, lease_id: str) -> bool:
+        ended = self._ended.get(lease_id)
+        return ended is not None and ended[0] == "released"
+
+    def why_gone(self, lease_id: str, now: float) -> str:
+        ended = self._ended.get(lease_id)
+        if ended is None:
+            return (
+                f"{lease_id} is not known to this catalog: never acquired here, or the catalog "
+                "restarted and lost it"
+            )
+        how, at, ttl = ended
+        if how == "expired":
+            return f"{lease_id} expired {now - at:.3g} s ago: its TTL of {ttl:g} s ran out without a renewal"
+        return f"{lease_id} was released {now - at:.3g} s ago"
 
 
 class Deadlines:

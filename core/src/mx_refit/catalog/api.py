@@ -84,8 +84,14 @@ class Catalog(Protocol):
         """Mark a registered source ready; return the version's state."""
         ...
 
-    def heartbeat(self, source_ids: Sequence[str] = (), lease_ids: Sequence[str] = ()) -> None:
-        """Renew the TTLs of the given sources and leases (all or nothing)."""
+    def heartbeat(
+        self,
+        source_ids: Sequence[str] = (),
+        lease_ids: Sequence[str] = (),
+        incarnations: Mapping[str, str] | None = None,
+    ) -> None:
+        """Renew the TTLs of the given sources and leases (all or nothing); ``incarnations``
+        (source id -> incarnation) makes a replaced caller fail with ``FailedPrecondition``."""
         ...
 
     def get_version(
@@ -110,7 +116,8 @@ class Catalog(Protocol):
         ...
 
     def release_lease(self, lease_id: str, completed: bool = False) -> None:
-        """Release a live lease; ``completed`` counts its reader as having read the version."""
+        """Release a live lease (again: a no-op); ``completed`` counts its reader as having read
+        the version. ``NotFound`` when the lease expired or was lost (a catalog restart)."""
         ...
 
     def retire_version(self, model: str, version: int) -> VersionState:

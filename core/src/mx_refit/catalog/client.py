@@ -51,10 +51,18 @@ __all__ = ["CatalogClient"]
 
 
 def _request(cls: type[Message], **fields: Any) -> Any:
-    """Build a request message; a field of the wrong type is the caller's InvalidArgument."""
+    """Build a request message; a field of the wrong type or out of its wire range (int32,
+    int64) is the caller's InvalidArgument naming the field and the value."""
     try:
         return cls(**fields)
     except (TypeError, ValueError) as exc:
+        for name, value in fields.items():
+            try:
+                cls(**{name: value})
+            except (TypeError, ValueError) as field_exc:
+                raise InvalidArgument(
+                    f"{name}: {value!r} is not valid in {cls.__name__} ({field_exc})"
+                ) from None
         raise InvalidArgument(f"{cls.__name__}: {exc}") from None
 
 
@@ -62,6 +70,17 @@ def _request(cls: type[Message], **fields: Any) -> Any:
 # ends by the client's choice, and short enough to ride out a catalog restart.
 _WAIT_SLICE_S = 20.0
 _MAX_BACKOFF_S = 2.0
+# gRPC's default reconnect backoff grows to 120 s (a client needed 11-18 s to reach a restarted
+# catalog): cap it at 1 s. Keepalive pings detect a catalog that stopped answering (SIGSTOP, a
+# cut link) during long calls; the server permits them (see server.KEEPALIVE_SERVER_OPTIONS).
+CHANNEL_RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 
 
 class CatalogClient:
@@ -153,6 +172,7 @@ class CatalogClient:
                         ("grpc.max_send_message_length", self.max_message_bytes),
                         ("grpc.max_receive_message_length", self.max_message_bytes),
                         ("grpc.enable_http_proxy", 0),  # the catalog is never behind a proxy
+                        *CHANNEL_RECONNECT_OPTIONS,
                     ],
                 )
                 # The generated stub module is untyped (grpc_tools emits no .pyi for it).
@@ -181,20 +201,9 @@ class CatalogClient:
     ) -> None:
         self.close()
 
-    def _call(
-        self,
-        method: str,
-        request: Any,
-        *,
-        timeout_s: float | None = None,
-        not_found_after_retry_is_success: bool = False,
-    ) -> Any:
-        """One unary call with bounded retries on transient failures.
-
-        ``not_found_after_retry_is_success`` covers deletes, which are not idempotent by
-        themselves: if an earlier attempt may have been applied (its reply was lost) and the
-        retry then reports NOT_FOUND, the call did succeed (the reply is then None).
-        """
+    def _call(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
+        """One unary call with bounded retries on transient failures (every RPC is idempotent:
+        the catalog treats a repeated release or registration as a no-op)."""
         attempts = self.retries + 1
         last: grpc.RpcError | None = None
         for attempt in range(attempts):
@@ -214,12 +223,6 @@ class CatalogClient:
                 if code in RETRYABLE:
                     last = exc
                     continue
-                if (
-                    code is grpc.StatusCode.NOT_FOUND
-                    and last is not None
-                    and not_found_after_retry_is_success
-                ):
-                    return None
                 raise error_for(code, details, method) from None
         assert last is not None
         code, details = last.code(), last.details() or ""
@@ -259,13 +262,25 @@ class CatalogClient:
         request = _request(pb.MarkReadyRequest, model=model, version=version, source_id=source_id)
         return convert.state_from_proto(self._call("MarkReady", request).state)
 
-    def heartbeat(self, source_ids: Sequence[str] = (), lease_ids: Sequence[str] = ()) -> None:
+    def heartbeat(
+        self,
+        source_ids: Sequence[str] = (),
+        lease_ids: Sequence[str] = (),
+        incarnations: Mapping[str, str] | None = None,
+    ) -> None:
         """See :meth:`CatalogService.heartbeat`."""
         for name, ids in (("source_ids", source_ids), ("lease_ids", lease_ids)):
             if isinstance(ids, (str, bytes)):
                 raise InvalidArgument(f"{name}: must be a sequence of ids, got the string {ids!r}")
+        if incarnations is not None and not isinstance(incarnations, Mapping):
+            raise InvalidArgument(
+                f"incarnations: must be a mapping of source id to incarnation, got {type(incarnations).__name__}"
+            )
         request = _request(
-            pb.HeartbeatRequest, source_ids=list(source_ids), lease_ids=list(lease_ids)
+            pb.HeartbeatRequest,
+            source_ids=list(source_ids),
+            lease_ids=list(lease_ids),
+            source_incarnations=dict(incarnations or {}),
         )
         self._call("Heartbeat", request)
 
@@ -404,13 +419,12 @@ class CatalogClient:
         return str(self._call("AcquireLease", request).lease_id)
 
     def release_lease(self, lease_id: str, completed: bool = False) -> None:
-        """See :meth:`CatalogService.release_lease`."""
+        """See :meth:`CatalogService.release_lease`. A retry after a lost reply is a no-op on
+        the catalog, so NotFound always means the lease was not held until now."""
         if not isinstance(completed, bool):  # protobuf would coerce 0/1 silently
             raise InvalidArgument(f"completed: must be a bool, got {completed!r}")
         self._call(
-            "ReleaseLease",
-            _request(pb.ReleaseLeaseRequest, lease_id=lease_id, completed=completed),
-            not_found_after_retry_is_success=True,
+            "ReleaseLease", _request(pb.ReleaseLeaseRequest, lease_id=lease_id, completed=completed)
         )
 
 

@@ -224,6 +224,7 @@ def source_to_proto(
         msg.agent_metadata = bytes(source.agent_metadata)
         msg.ready = source.ready
         msg.layout_digest = source.layout_digest
+        msg.incarnation = source.incarnation
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
     if source.cuda_ipc is not None:
@@ -279,6 +280,7 @@ def source_from_proto(
         ready=msg.ready,
         regions=regions,
         layout_digest=digest,
+        incarnation=msg.incarnation,
         cuda_ipc=cuda_ipc_from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
     )
 

@@ -45,6 +45,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50551
+# Accept the clients' keepalive pings (every 10 s, client.CHANNEL_RECONNECT_OPTIONS); gRPC's
+# default would answer them with GOAWAY "too_many_pings".
+KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ANY_HOST = ("0.0.0.0", "::", "[::]", "")
 
@@ -175,6 +182,7 @@ class CatalogServer:
                 # Without this, Linux lets a second server bind the same port and silently
                 # steal half of the connections.
                 ("grpc.so_reuseport", 0),
+                *KEEPALIVE_SERVER_OPTIONS,
             ]
             interceptors: list[grpc.ServerInterceptor[Any, Any]] = (
                 [_BearerTokenInterceptor(self._token)] if self._token else []

@@ -42,17 +42,21 @@ from typing import Any
 
 from mx_refit.catalog._records import (
     Deadlines,
+    EndedLeases,
     LeaseRecord,
     Manifest,
     SourceLife,
     VersionRecord,
     check_tensors_agree,
+    find_predecessor,
     index_tensors,
+    republishable,
 )
 from mx_refit.catalog.api import DEFAULT_TTL_S, ReadProgress, VersionSummary
 from mx_refit.catalog.digests import Layout, stamp_layout
 from mx_refit.catalog.validation import (
     CatalogLimits,
+    check_incarnations,
     check_int,
     check_name,
     check_seconds,
@@ -108,6 +112,7 @@ class CatalogService:
         self._sources: dict[str, SourceLife] = {}
         self._leases: dict[str, LeaseRecord] = {}
         self._deadlines = Deadlines()
+        self._ended_leases = EndedLeases()
         # Each live source id's last registered layout: a republished identical layout reuses
         # its descriptor tuple and digest instead of being hashed again.
         self._layouts: dict[str, Layout] = {}
@@ -170,7 +175,10 @@ class CatalogService:
         src, layout = stamp_layout(src, previous)  # outside the lock, like validation
         with self._cond:
             now = self._reap_locked(self._clock())
+            predecessor = find_predecessor(self._sources, src)
             rec = self._models.get(model, {}).get(version)
+            if rec is not None and republishable(rec, predecessor):
+                rec = None  # a dead version's number: published afresh
             if rec is None:
                 rec = VersionRecord(model, version, expected, expected_readers=readers)
                 is_new = True
@@ -189,6 +197,7 @@ class CatalogService:
             old = rec.sources.get(sid)
             if (
                 old is not None
+                and predecessor is None
                 and rec.state in _LIVE
                 and self._same_registration(rec, old, src, extra)
             ):
@@ -229,6 +238,10 @@ class CatalogService:
                 raise InvalidArgument(conflict)
 
             # Everything checked: commit.
+            if predecessor is not None:
+                # A restarted rank: its predecessor's versions die with it (this one, if still
+                # PENDING, keeps the other ranks' registrations and takes the new one).
+                self._expire_source_locked(predecessor, spare=rec)
             if is_new:
                 self._models.setdefault(model, {})[version] = rec
             rec.tensors, rec.sidecar = index, merged
@@ -238,7 +251,7 @@ class CatalogService:
             rec.sources[sid] = src
             rec.sidecars[sid] = extra
             self._layouts[sid] = layout
-            self._touch_source_locked(sid, ttl, now, rec)
+            self._touch_source_locked(sid, ttl, now, rec, src.incarnation)
             self._maybe_ready_locked(rec)
             return rec.state
 
@@ -267,17 +280,37 @@ class CatalogService:
                 self._deadlines.set(life, now + life.ttl_s)
             return rec.state
 
-    def heartbeat(self, source_ids: Sequence[str] = (), lease_ids: Sequence[str] = ()) -> None:
+    def heartbeat(
+        self,
+        source_ids: Sequence[str] = (),
+        lease_ids: Sequence[str] = (),
+        incarnations: Mapping[str, str] | None = None,
+    ) -> None:
         """Renew sources and leases by their own TTLs.
 
         All or nothing: if any id is unknown (never registered, or already expired) nothing is
-        renewed and ``NotFound`` lists every unknown id — the caller's sources/leases are gone
-        and must be re-registered/re-acquired.
+        renewed and ``NotFound`` lists every unknown id and why — the caller's sources/leases
+        are gone and must be re-registered/re-acquired. ``incarnations`` maps source ids to the
+        incarnation the caller registered them with: a source now held by another incarnation
+        (the caller was replaced by a restarted rank) is ``FailedPrecondition``.
         """
         sources = _ids(source_ids, "source_ids")
         leases = _ids(lease_ids, "lease_ids")
+        claimed = check_incarnations(incarnations)
         with self._cond:
             now = self._reap_locked(self._clock())
+            replaced = [
+                f"{sid!r} (registered by incarnation {self._sources[sid].incarnation!r}, "
+                f"not {claimed[sid]!r})"
+                for sid in sources
+                if sid in claimed and sid in self._sources
+                and self._sources[sid].incarnation not in ("", claimed[sid])
+            ]
+            if replaced:
+                raise FailedPrecondition(
+                    f"heartbeat: source_ids {', '.join(replaced)} were replaced by a restarted "
+                    "rank; nothing was renewed"
+                )
             missing_sources = [s for s in sources if s not in self._sources]
             missing_leases = [s for s in leases if s not in self._leases]
             if missing_sources or missing_leases:
@@ -285,7 +318,8 @@ class CatalogService:
                 if missing_sources:
                     parts.append(f"source_ids {missing_sources}")
                 if missing_leases:
-                    parts.append(f"lease_ids {missing_leases}")
+                    why = "; ".join(self._ended_leases.why_gone(lease, now) for lease in missing_leases)
+                    parts.append(f"lease_ids {missing_leases} ({why})")
                 raise NotFound(
                     f"heartbeat: unknown or expired {' and '.join(parts)}; nothing was renewed"
                 )
@@ -465,7 +499,11 @@ class CatalogService:
             return lease.lease_id
 
     def release_lease(self, lease_id: str, completed: bool = False) -> None:
-        """Release a live lease (``NotFound`` if it is unknown or already expired).
+        """Release a live lease. Releasing it again is a no-op (a retry after a lost reply).
+
+        ``NotFound`` when the lease expired (its TTL ran out) or is unknown to this catalog
+        (never acquired here, or the catalog restarted since): in both cases the lease was not
+        held until now, and a reader must not trust what it pulled under it.
 
         ``completed=True``: the reader pulled every byte it needed, so its reader id counts as a
         completed read of the version (once). An expired lease counts nothing.
@@ -474,13 +512,18 @@ class CatalogService:
         if not isinstance(completed, bool):
             raise InvalidArgument(f"completed: must be a bool, got {completed!r}")
         with self._cond:
-            self._reap_locked(self._clock())
+            now = self._reap_locked(self._clock())
             lease = self._leases.get(lease_id)
             if lease is None:
-                raise NotFound(f"lease_id: unknown or expired lease {lease_id!r}")
+                if self._ended_leases.released(lease_id):
+                    return
+                raise NotFound(
+                    f"lease_id: unknown or expired lease {lease_id!r} "
+                    f"({self._ended_leases.why_gone(lease_id, now)})"
+                )
             if completed and lease.record is not None:
                 lease.record.completed_readers.add(lease.reader_id)
-            self._drop_lease_locked(lease)  # notifies wait_read and wait_drained waiters
+            self._drop_lease_locked(lease, "released", now)  # notifies wait_read and wait_drained waiters
 
     def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:
         """Block (bounded, real time) until every expected reader completed a read of
@@ -570,22 +613,25 @@ class CatalogService:
             rec.manifest()
 
     def _touch_source_locked(
-        self, source_id: str, ttl: float, now: float, rec: VersionRecord
+        self, source_id: str, ttl: float, now: float, rec: VersionRecord, incarnation: str = ""
     ) -> None:
         life = self._sources.get(source_id)
         if life is None:
-            life = SourceLife(ttl_s=ttl, expires_at=now + ttl, source_id=source_id)
+            life = SourceLife(
+                ttl_s=ttl, expires_at=now + ttl, source_id=source_id, incarnation=incarnation
+            )
             self._sources[source_id] = life
             self._deadlines.set(life, life.expires_at, new=True)
         else:
             life.ttl_s = ttl
+            life.incarnation = life.incarnation or incarnation
             self._deadlines.set(life, now + ttl)
         life.versions.add((rec.model, rec.version))
 
     def _reap_locked(self, now: float, report: dict[str, list[Any]] | None = None) -> float:
         for timed in self._deadlines.expired(now):
             if isinstance(timed, LeaseRecord):
-                self._drop_lease_locked(timed)
+                self._drop_lease_locked(timed, "expired", timed.expires_at)
                 if report is not None:
                     report["leases"].append(timed.lease_id)
             elif isinstance(timed, SourceLife):
@@ -595,14 +641,22 @@ class CatalogService:
                     report["versions"].extend(expired)
         return now
 
-    def _expire_source_locked(self, life: SourceLife) -> list[tuple[str, int]]:
+    def _expire_source_locked(
+        self, life: SourceLife, spare: VersionRecord | None = None
+    ) -> list[tuple[str, int]]:
+        """The source's process is gone: every live version it serves is EXPIRED (except
+        ``spare``, a PENDING version its successor is registering into)."""
         life.dead = True
         del self._sources[life.source_id]
         self._layouts.pop(life.source_id, None)
         expired = []
         for model, version in sorted(life.versions):
             rec = self._models.get(model, {}).get(version)
-            if rec is not None and rec.state in _LIVE:
+            if rec is None or life.source_id not in rec.sources:
+                continue  # that number was published afresh without this source
+            if rec is spare and rec.state is VersionState.PENDING:
+                continue
+            if rec.state in _LIVE:
                 rec.state = VersionState.EXPIRED
                 expired.append((model, version))
                 self._prune_locked(model)
@@ -610,9 +664,10 @@ class CatalogService:
             self._cond.notify_all()
         return expired
 
-    def _drop_lease_locked(self, lease: LeaseRecord) -> None:
+    def _drop_lease_locked(self, lease: LeaseRecord, how: str, at: float) -> None:
         lease.dead = True
         del self._leases[lease.lease_id]
+        self._ended_leases.add(lease, how, at)
         rec = lease.record
         if rec is not None:
             rec.leases.pop(lease.lease_id, None)

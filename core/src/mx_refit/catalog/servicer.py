@@ -101,7 +101,9 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
-        self.service.heartbeat(list(request.source_ids), list(request.lease_ids))
+        self.service.heartbeat(
+            list(request.source_ids), list(request.lease_ids), dict(request.source_incarnations)
+        )
         return pb.HeartbeatReply()
 
     @_rpc

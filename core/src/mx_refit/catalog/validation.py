@@ -458,6 +458,7 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         tensors=tuple(clean),
         ready=source.ready,
         regions=regions,
+        incarnation=_check_incarnation(source.incarnation),
         cuda_ipc=cuda_ipc,
     )
 
@@ -508,6 +509,28 @@ def validate_cuda_ipc(
     if len({r.addr for r in clean}) != len(clean):
         raise InvalidArgument("source.cuda_ipc.regions: a region is exported twice")
     return CudaIpcExport(export.boot_id, export.host_name, pid, export.pid_namespace, bytes(uuid), tuple(clean))
+
+
+def check_incarnations(values: object) -> dict[str, str]:
+    """A heartbeat's ``incarnations``: source id -> incarnation (None: none claimed)."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise InvalidArgument(
+            f"incarnations: must be a mapping of source id to incarnation, got {type(values).__name__}"
+        )
+    return {
+        check_name(sid, "incarnations key"): check_name(inc, f"incarnations[{sid!r}]")
+        for sid, inc in values.items()
+    }
+
+
+def _check_incarnation(value: object) -> str:
+    if not isinstance(value, str) or len(value) > 256 or not value.isprintable():
+        raise InvalidArgument(
+            f"source.incarnation: must be a printable string of at most 256 characters, got {value!r}"
+        )
+    return value
 
 
 def _validate_regions(

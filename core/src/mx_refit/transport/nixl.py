@@ -19,6 +19,11 @@ Measured constraints this module is shaped by (nixl 1.5.1 / UCX, 2xH200 over NVL
 * ``add_remote_agent`` returns the name as ``bytes``; loading new metadata for an agent name that
   is already loaded fails with ``NIXL_ERR_NOT_ALLOWED`` (the old one must be removed first); a
   transfer to a peer that died raises ``nixlRemoteDisconnectError`` when it is posted.
+* Every failed ``add_remote_agent`` of a dead peer leaks a UCX socket that nothing can free (3 per
+  source death when reads retried by reloading its metadata). So a peer that disconnected is
+  removed at once (``remove_remote_agent`` frees its endpoints) and never reloaded inside a read,
+  and an agent whose connection failed is not loaded again with the same metadata for
+  ``unreachable_s``: a restarted source brings new metadata (and, from a Publisher, a new name).
 
 Checked on 2xH200 with this module (torch 2.11, VRAM GPU1 -> GPU0): 1 GiB READ 239-329 GB/s; the
 dim-1 half of a [8192, 8192] bf16 tensor took 66 ms per-row (8,192 descriptors) and 0.72 ms as a
@@ -41,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -189,7 +194,6 @@ class _Job:
     retry_at: float = 0.0
     attempts: int = 0
     last_error: str = ""
-    reconnect: bool = False
     permanent: bool = False  # retrying cannot help
 
 
@@ -206,6 +210,8 @@ class NixlTransport:
             UCX signals an event. ``0`` is NIXL's busy poll (a core per process); ``None`` runs
             no progress thread (only this process's own calls progress it: a source then cannot
             serve peers that read over tcp).
+        unreachable_s: how long an agent whose connection failed (it disconnected, or its
+            metadata could not be loaded) is refused by :meth:`connect` without a load attempt.
     """
 
     def __init__(
@@ -217,6 +223,7 @@ class NixlTransport:
         timeout_s: float = 60.0,
         retry_backoff_s: float = 0.05,
         progress_wake_ms: float | None = DEFAULT_PROGRESS_WAKE_MS,
+        unreachable_s: float = 60.0,
     ) -> None:
         if not name:
             raise InvalidArgument("name: must be a non-empty agent name")
@@ -244,6 +251,9 @@ class NixlTransport:
         self._regions: dict[tuple[str, int], RegionIndex] = {}
         self._peers: dict[str, _Peer] = {}
         self._loaded: dict[str, bytes] = {}  # remote agent name -> metadata loaded for it
+        # Agents whose connection failed -> (when, why, their metadata); bounded, oldest first.
+        self._unreachable: dict[str, tuple[float, str, bytes]] = {}
+        self.unreachable_s = unreachable_s
         self.bytes_read = 0
         self.descriptors_posted = 0
         self.transfers = 0  # NIXL requests posted, retries included
@@ -394,6 +404,7 @@ class NixlTransport:
                 # NIXL refuses to load new metadata over a loaded agent (NIXL_ERR_NOT_ALLOWED).
                 self._unload(agent_name)
             if agent_name not in self._loaded:
+                self._refuse_unreachable(peer_key, agent_name, metadata)
                 self._load(peer_key, agent_name, metadata)
             if peer is not None and peer.agent_name != agent_name:
                 self._peers.pop(peer_key)
@@ -408,10 +419,32 @@ class NixlTransport:
             if peer is not None:
                 self._unload_if_unused(peer.agent_name)
 
+    def _refuse_unreachable(self, peer_key: str, agent_name: str, metadata: bytes) -> None:
+        failed = self._unreachable.get(agent_name)
+        if failed is None:
+            return
+        when, why, dead_metadata = failed
+        if metadata != dead_metadata or time.monotonic() - when >= self.unreachable_s:
+            del self._unreachable[agent_name]
+            return
+        raise TransferError(
+            f"peer {peer_key}: agent {agent_name} is unreachable ({why}); not reloading it for "
+            f"{self.unreachable_s:g} s after the failure (a restarted source brings new metadata)",
+            source_id=peer_key,
+        )
+
+    def _mark_unreachable(self, agent_name: str, why: str, metadata: bytes) -> None:
+        self._unreachable.pop(agent_name, None)
+        self._unreachable[agent_name] = (time.monotonic(), why, metadata)
+        while len(self._unreachable) > 4096:
+            del self._unreachable[next(iter(self._unreachable))]
+
     def _load(self, peer_key: str, agent_name: str, metadata: bytes) -> None:
         try:
             loaded_name = _as_str(self._agent.add_remote_agent(metadata))
         except Exception as exc:
+            self._remove_remote(agent_name)  # whatever part of it NIXL kept
+            self._mark_unreachable(agent_name, f"loading its metadata failed: {type(exc).__name__}", metadata)
             raise TransferError(
                 f"peer {peer_key}: loading metadata of agent {agent_name} ({len(metadata)} bytes) "
                 f"failed: {type(exc).__name__}: {exc}",
@@ -439,22 +472,18 @@ class NixlTransport:
         except Exception as exc:  # already gone / disconnected: nothing left to undo
             log.debug("remove_remote_agent(%s) failed: %s", agent_name, exc)
 
-    def _reconnect(self, job: _Job) -> bool:
-        """Reload a peer whose connection dropped, from the metadata we already hold (a transient
-        disconnect heals; a dead peer fails again and the retry budget runs out). Returns whether
-        the peer is loaded again."""
-        peer = self._peers.get(job.peer_key)
-        if peer is None:
-            job.last_error = "peer was disconnected concurrently"
-            return False
-        self._unload(peer.agent_name)
-        try:
-            self._load(job.peer_key, peer.agent_name, peer.metadata)
-        except (TransferError, InvalidArgument) as exc:
-            cause = exc.__cause__ or exc
-            job.last_error = f"remote agent disconnected and reloading its metadata failed ({cause})"
-            return False
-        return True
+    def _drop_disconnected(self, job: _Job) -> None:
+        """The peer's endpoint failed (it died, or its link did): the read fails now, without
+        retries, and its remote agent is removed, which frees its sockets and NIXL state. The
+        peer key stays known, so the caller can still :meth:`disconnect` it; a later
+        :meth:`connect` with new metadata (a restarted source) loads afresh."""
+        job.permanent = True
+        job.last_error += " (the remote agent disconnected: the source died or its link dropped)"
+        with self._lock:
+            metadata = self._loaded.get(job.agent_name)
+            if metadata is not None:
+                self._unload(job.agent_name)
+                self._mark_unreachable(job.agent_name, "it disconnected", metadata)
 
     # ------------------------------------------------------------------ reads
     def read(
@@ -493,6 +522,7 @@ class NixlTransport:
         local_dev: int = 0,
         timeout_s: float | None = None,
         merge: bool = True,
+        abort_check: Callable[[], None] | None = None,
     ) -> dict[str, TransferStats]:
         """READ from several peers at once: every peer's request is posted before waiting on any,
         so the transfers overlap. ``remote_mem``/``remote_dev`` may be per-peer mappings (each
@@ -501,7 +531,10 @@ class NixlTransport:
         ``source_id`` is the first). Everything is validated before anything is posted.
 
         ``merge=False`` posts ``ops`` as given: for callers that already coalesced them and cut
-        them at the remote's registration boundaries, which this transport cannot see."""
+        them at the remote's registration boundaries, which this transport cannot see.
+
+        ``abort_check`` is called before posting and between polls; whatever it raises (a lost
+        lease) ends the read at once: every posted request is released and the error propagates."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise InvalidArgument(f"timeout_s: {timeout} must be > 0")
@@ -542,7 +575,7 @@ class NixlTransport:
             raise InvalidArgument(f"requests: two peers write the same local bytes: {exc}") from exc
 
         try:
-            failed = self._run(jobs, timeout, started, results)
+            failed = self._run(jobs, timeout, started, results, abort_check)
         finally:
             for job in jobs:  # only non-None after an unexpected exception (e.g. KeyboardInterrupt)
                 self._release(job)
@@ -557,15 +590,19 @@ class NixlTransport:
         return results
 
     def _run(self, jobs: list[_Job], timeout: float, started: float,
-             results: dict[str, TransferStats]) -> list[_Job]:
+             results: dict[str, TransferStats], abort_check: Callable[[], None] | None) -> list[_Job]:
         """Post every job, then poll them all until each is DONE or out of retries; returns the
         failed jobs. Successful ones land in ``results``."""
         failed: list[_Job] = []
+        if abort_check is not None:
+            abort_check()
         for job in jobs:
             self._post(job, timeout)
         pending = list(jobs)
         sleep_s = _POLL_MIN_S
         while pending:
+            if abort_check is not None:
+                abort_check()
             now = time.monotonic()
             progressed = False
             for job in list(pending):
@@ -601,10 +638,10 @@ class NixlTransport:
 
         job.attempts += 1
         with self._lock:
-            if job.reconnect and not self._reconnect(job):
-                self._schedule_retry(job)  # still unreachable; job.reconnect stays set
+            if job.agent_name not in self._loaded:
+                job.last_error = f"remote agent {job.agent_name} is not loaded (it disconnected)"
+                job.permanent = True
                 return
-            job.reconnect = False
             arr = np.asarray(job.ops, dtype=np.uint64)
             local = np.empty_like(arr)
             remote = np.empty_like(arr)
@@ -627,7 +664,7 @@ class NixlTransport:
                     job.last_error += " (remote range not registered by the peer, or bad descriptors)"
                     job.permanent = True
                 elif type(exc).__name__ == "nixlRemoteDisconnectError":
-                    job.reconnect = True
+                    self._drop_disconnected(job)
                 self._schedule_retry(job)
                 return
             job.handle = handle
@@ -644,7 +681,7 @@ class NixlTransport:
             except Exception as exc:
                 job.last_error = f"{type(exc).__name__}: {exc}"
                 if type(exc).__name__ == "nixlRemoteDisconnectError":
-                    job.reconnect = True
+                    self._drop_disconnected(job)
                 return "ERR"
 
     def _release(self, job: _Job) -> None:

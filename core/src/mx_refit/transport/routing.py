@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import InvalidArgument, TransferError
@@ -262,10 +262,12 @@ class RoutingTransport:
         arena: "torch.Tensor",
         *,
         timeout_s: float,
+        abort_check: "Callable[[], None] | None" = None,
     ) -> ReadReport:
         """Read ``(remote addr, arena offset, n)`` ranges (coalesced and cut at the sources'
         region edges by the caller) from every source into ``arena``; CUDA IPC sources and NIXL
-        sources are read in one call each."""
+        sources are read in one call each. ``abort_check`` runs before, between NIXL polls and
+        after: whatever it raises (a lost lease) ends the read at once."""
         started = time.perf_counter()
         with self._lock:
             self._check_open()
@@ -281,6 +283,8 @@ class RoutingTransport:
             nbytes: dict[str, int] = {}
             paths: dict[str, str] = {}
             descriptors = opened = 0
+            if abort_check is not None:
+                abort_check()
             if by_path[CUDA_IPC]:
                 report = self.ipc().read(sources, by_path[CUDA_IPC], arena)
                 nbytes.update(report.nbytes)
@@ -288,10 +292,12 @@ class RoutingTransport:
                 descriptors += report.descriptors
                 opened += report.handles_opened
             if by_path[NIXL]:
-                moved, posted = self._read_nixl(sources, by_path[NIXL], arena, timeout_s)
+                moved, posted = self._read_nixl(sources, by_path[NIXL], arena, timeout_s, abort_check)
                 nbytes.update(moved)
                 paths.update({s: NIXL for s in moved})
                 descriptors += posted
+            if abort_check is not None:
+                abort_check()
             self.descriptors_posted += descriptors
             self.handles_opened += opened
             self.last_read_s = time.perf_counter() - started
@@ -303,6 +309,7 @@ class RoutingTransport:
         requests: "Mapping[str, Sequence[Range]]",
         arena: "torch.Tensor",
         timeout_s: float,
+        abort_check: "Callable[[], None] | None" = None,
     ) -> tuple[dict[str, int], int]:
         agent = self.nixl(required=True)
         assert agent is not None
@@ -326,7 +333,7 @@ class RoutingTransport:
             ops[source_id] = [(remote, base + offset, n) for remote, offset, n in ranges]
         before = agent.descriptors_posted
         stats = agent.read_many(ops, remote_mem=remote_mem, remote_dev=remote_dev, local_mem=local_mem,
-                                local_dev=local_dev, timeout_s=timeout_s, merge=False)
+                                local_dev=local_dev, timeout_s=timeout_s, merge=False, abort_check=abort_check)
         return {s: st.nbytes for s, st in stats.items()}, agent.descriptors_posted - before
 
     def forget(self, source_id: str) -> None:

@@ -97,7 +97,7 @@ class TensorDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "cuda_ipc")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class SourceInfo(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TENSORS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
@@ -117,8 +118,9 @@ class SourceInfo(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     layout_digest: str
     tensors_omitted: bool
+    incarnation: str
     cuda_ipc: CudaIpcExport
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ...) -> None: ...
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ...) -> None: ...
 
 class CudaIpcExport(_message.Message):
     __slots__ = ("boot_id", "host_name", "pid", "pid_namespace", "device_uuid", "regions")
@@ -239,12 +241,21 @@ class MarkReadyReply(_message.Message):
     def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("source_ids", "lease_ids")
+    __slots__ = ("source_ids", "lease_ids", "source_incarnations")
+    class SourceIncarnationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     source_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    source_incarnations: _containers.ScalarMap[str, str]
+    def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., lease_ids: _Optional[_Iterable[str]] = ..., source_incarnations: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ()

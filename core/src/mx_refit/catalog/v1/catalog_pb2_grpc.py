@@ -109,7 +109,8 @@ class CatalogServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Renews the TTLs of live sources and leases. All-or-nothing: an unknown id renews nothing.
+        """Renews the TTLs of live sources and leases. All-or-nothing: an unknown id renews nothing
+        (NOT_FOUND naming each id and why: expired, or unknown to this catalog after a restart).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,7 +140,9 @@ class CatalogServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """Releases a lease.
+        """Releases a lease; releasing a released lease again is a no-op (safe to retry). NOT_FOUND
+        when the lease expired or this catalog does not know it (it restarted): the reader did not
+        hold it until now and must not use what it pulled under it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

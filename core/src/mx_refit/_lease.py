@@ -1,0 +1,168 @@
+"""A reader's lease, held continuously for one refit or the refit fails (``LeaseLost``).
+
+The publisher mutates a version's buffers once the catalog says its leases drained, so bytes
+pulled under a lease are trustworthy only if the catalog kept that lease from acquisition until
+its release. :class:`LeaseGuard` enforces that on one clock, the catalog's:
+
+* the catalog's word is final: a renewal or release answered NotFound (the TTL ran out, or the
+  catalog restarted and lost it) fails the refit, and a renewal that says so aborts the pull;
+* between answers, the guard keeps a conservative local bound: each acknowledged renewal sent at
+  local time ``t`` keeps the lease until at least ``t + ttl`` on the catalog (the catalog set its
+  deadline after receiving the call), so once local time passes the last such bound without a
+  newer acknowledgement the lease may be gone and the pull is aborted.
+
+Renewals cost nothing for short pulls: the timer first fires at a third of the TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from mx_refit.errors import LeaseLost, MxRefitError, NotFound
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.catalog.api import Catalog
+
+__all__ = ["LeaseGuard"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseGuard:
+    """Renews ``lease_id`` every ``ttl_s / 3`` while started and knows whether it is still held.
+
+    :param acquired_at: local monotonic time at which the acquiring call was sent.
+    :param label: what the lease covers (``model 'm' version 3``), for messages.
+    """
+
+    def __init__(
+        self, catalog: "Catalog", lease_id: str, ttl_s: float, *, acquired_at: float, label: str
+    ) -> None:
+        self._catalog = catalog
+        self.lease_id = lease_id
+        self.ttl_s = ttl_s
+        self.label = label
+        self._held_until = acquired_at + ttl_s  # local lower bound of the catalog's deadline
+        self._lost: str | None = None  # the catalog said the lease is gone (its message)
+        self._renew_error: str | None = None  # last renewal that could not reach the catalog
+        self._renew_error_since: float | None = None
+        self._inflight_since: float | None = None
+        self._slowest_renewal_s = 0.0  # a renewal that took this long crossed a stalled link
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- renewals ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"mx-refit-lease[{self.lease_id}]", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        # A renewal stuck on an unreachable catalog must not hold the refit up: the thread is a
+        # daemon and its outcome no longer matters once the release decides.
+        if self._thread is not None:
+            self._thread.join(timeout=0.2)
+
+    def _run(self) -> None:
+        interval = self.ttl_s / 3
+        while not self._stop.wait(interval):
+            self.renew()
+            interval = self.ttl_s / 3 if self._renew_error is None else min(self.ttl_s / 6, 0.5)
+            if self._lost is not None:
+                return
+
+    def renew(self) -> None:
+        sent = time.monotonic()
+        self._inflight_since = sent
+        try:
+            self._catalog.heartbeat(lease_ids=[self.lease_id])
+        except NotFound as exc:
+            self._lost = str(exc)
+        except MxRefitError as exc:  # Unavailable and friends: the local bound decides
+            if self._renew_error is None:
+                self._renew_error_since = sent
+            self._renew_error = f"{type(exc).__name__}: {exc}"
+            log.warning("lease %s on %s: renewal failed: %s", self.lease_id, self.label, exc)
+        else:
+            self._held_until = max(self._held_until, sent + self.ttl_s)
+            self._renew_error = self._renew_error_since = None
+        finally:
+            self._inflight_since = None
+            self._slowest_renewal_s = max(self._slowest_renewal_s, time.monotonic() - sent)
+
+    # -- verdicts ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` when the lease is gone or may be gone (called while pulling,
+        so a lost lease aborts the pull at once)."""
+        if self._lost is not None:
+            self._fail(self._gone_cause(self._lost))
+        now = time.monotonic()
+        if now > self._held_until:
+            self._fail(self._lapsed_cause(now))
+
+    def release(self, *, completed: bool = False) -> None:
+        """Release the lease and confirm it was held until now, else raise :class:`LeaseLost`.
+        ``completed``: the reader pulled everything it needed (counted by ``wait_read``)."""
+        self.stop()
+        if self._lost is not None:
+            self._fail(self._gone_cause(self._lost))
+        try:
+            self._catalog.release_lease(lease_id=self.lease_id, completed=completed)
+        except NotFound as exc:
+            self._fail(self._gone_cause(str(exc)))
+        except MxRefitError as exc:
+            self._fail(f"the release could not be confirmed by the catalog ({type(exc).__name__}: {exc})")
+
+    def abandon(self) -> None:
+        """Stop renewing and release best-effort (the refit already failed for another reason)."""
+        self.stop()
+        try:
+            self._catalog.release_lease(lease_id=self.lease_id)
+        except Exception as exc:  # the original failure is what the caller reports
+            log.debug("lease %s: release after a failed refit: %s", self.lease_id, exc)
+
+    def _gone_cause(self, catalog_says: str) -> str:
+        if "not known to this catalog" in catalog_says:
+            return f"the catalog restarted and lost the lease: {catalog_says}"
+        if self._renew_error is not None:
+            return (
+                f"heartbeats could not reach the catalog ({self._renew_error}), and it let the "
+                f"lease expire: {catalog_says}"
+            )
+        if self._slowest_renewal_s > self.ttl_s / 3:
+            return (
+                f"heartbeats could not reach the catalog (a renewal took {self._slowest_renewal_s:.3g} s), "
+                f"and it let the lease expire: {catalog_says}"
+            )
+        if "expired" in catalog_says:
+            return f"its TTL of {self.ttl_s:g} s ran out during a slow pull: {catalog_says}"
+        return f"the catalog reported it gone: {catalog_says}"
+
+    def _lapsed_cause(self, now: float) -> str:
+        overdue = now - self._held_until + self.ttl_s
+        if self._renew_error is not None:
+            return (
+                f"heartbeats could not reach the catalog for {now - (self._renew_error_since or now):.3g} s "
+                f"(last error: {self._renew_error}), and no renewal was acknowledged within its TTL "
+                f"of {self.ttl_s:g} s"
+            )
+        if self._inflight_since is not None and now - self._inflight_since > self.ttl_s / 3:
+            return (
+                f"heartbeats could not reach the catalog: a renewal sent {now - self._inflight_since:.3g} s ago "
+                f"is unanswered, and no renewal was acknowledged within its TTL of {self.ttl_s:g} s"
+            )
+        return (
+            f"its TTL of {self.ttl_s:g} s ran out during a slow pull: no renewal was acknowledged for "
+            f"{overdue:.3g} s (the pull or this process stalled)"
+        )
+
+    def _fail(self, cause: str) -> None:
+        raise LeaseLost(
+            f"lease {self.lease_id} on {self.label} was not held for the whole refit: {cause}; "
+            "nothing was loaded",
+            lease_id=self.lease_id,
+            cause=cause,
+        )
