@@ -16,7 +16,7 @@ from _harness import CatalogProc, RelayProc, publisher, reader  # noqa: E402
 class LeaseRig:
     """catalog <- publisher (direct); catalog <- relay <- gated reader (short lease)."""
 
-    LEASE_TTL_S = 1.0
+    LEASE_TTL_S = 2.0
 
     def __init__(self, log_dir: Path, model: str) -> None:
         self.log_dir = log_dir
@@ -26,6 +26,18 @@ class LeaseRig:
         self.pub = publisher(self.catalog.address, model, log_dir, ttl=10.0)
         self.reader = reader(self.relay.address, model, log_dir, lease_ttl=self.LEASE_TTL_S, gate=True)
         self.version = 0
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One plain refit first: connecting to the source and registering the arena are slow
+        once, and must not eat the first case's lease."""
+        self.reader.call(cmd="gate", on=False)
+        self.version += 1
+        assert self.pub.call(cmd="publish", version=self.version)["state"] == "READY"
+        result = self.reader.call(cmd="refit", version=self.version, timeout=120)
+        assert result["ok"] and result["wrong"] == [], result
+        assert self.pub.call(cmd="drain", version=self.version, then=self.version + 1) == {"drained": True}
+        self.reader.call(cmd="gate", on=True)
 
     def close(self) -> None:
         for proc in (self.reader, self.pub):

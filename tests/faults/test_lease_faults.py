@@ -22,7 +22,13 @@ def lease_loss_case(rig, fault: str) -> dict:
     v = rig.version
     assert rig.pub.call(cmd="publish", version=v)["state"] == "READY"
     rig.reader.send(cmd="refit", version=v)
-    rig.reader.expect("gate")  # the lease is held; the READ has not started
+    got = rig.reader.next(timeout=90)
+    if got.get("event") != "gate":
+        # On a loaded box the lease can run out before the READ even starts: a genuine loss
+        # too (never wrong bytes), but not the injected fault.
+        assert rig.pub.call(cmd="drain", version=v, then=v + 1) == {"drained": True}
+        return {**got, "fault": "before-gate"}
+    # The lease is held; the READ has not started.
     if fault == "reader-stopped":  # the pull outlives the lease
         rig.reader.signal(signal.SIGSTOP)
         drained = rig.pub.call(cmd="drain", version=v, then=v + 1)
@@ -38,7 +44,7 @@ def lease_loss_case(rig, fault: str) -> dict:
     elif fault == "catalog-restart":
         rig.catalog.restart()
         drained = rig.pub.call(cmd="drain", version=v, then=v + 1)
-        time.sleep(1.0)  # the reader's renewals meet the new catalog
+        time.sleep(1.5)  # the reader's renewals meet the new catalog
     else:
         raise AssertionError(fault)
     assert drained == {"drained": True}, drained  # the publisher has overwritten v with v+1
@@ -46,6 +52,15 @@ def lease_loss_case(rig, fault: str) -> dict:
     result = rig.reader.next(timeout=90)
     result["fault"] = fault
     return result
+
+
+def injected(rig, fault: str) -> dict:
+    """A case where the injected fault, not the load of the box, cost the lease."""
+    for _ in range(5):
+        result = lease_loss_case(rig, fault)
+        if result["fault"] != "before-gate":
+            return result
+    raise AssertionError(f"the lease ran out before the READ 5 times: {result}")
 
 
 def assert_lease_lost(result: dict, *cause_words: str) -> None:
@@ -57,16 +72,16 @@ def assert_lease_lost(result: dict, *cause_words: str) -> None:
 
 
 def test_ttl_ran_out_during_a_slow_pull_fails_the_refit(lease_rig) -> None:
-    assert_lease_lost(lease_loss_case(lease_rig, "reader-stopped"), "TTL of 1 s ran out")
+    assert_lease_lost(injected(lease_rig, "reader-stopped"), "TTL of 2 s ran out")
 
 
 def test_heartbeats_that_cannot_reach_the_catalog_fail_the_refit(lease_rig) -> None:
-    assert_lease_lost(lease_loss_case(lease_rig, "link-paused"), "heartbeats could not reach the catalog")
-    assert_lease_lost(lease_loss_case(lease_rig, "link-cut"), "heartbeats could not reach the catalog")
+    assert_lease_lost(injected(lease_rig, "link-paused"), "heartbeats could not reach the catalog")
+    assert_lease_lost(injected(lease_rig, "link-cut"), "heartbeats could not reach the catalog")
 
 
 def test_a_catalog_restart_mid_pull_fails_the_refit(lease_rig) -> None:
-    assert_lease_lost(lease_loss_case(lease_rig, "catalog-restart"), "catalog restarted and lost the lease")
+    assert_lease_lost(injected(lease_rig, "catalog-restart"), "catalog restarted and lost the lease")
 
 
 def test_after_lost_leases_the_next_refit_is_byte_exact(lease_rig) -> None:
@@ -92,7 +107,9 @@ def test_100_lease_losses_return_no_wrong_bytes(lease_rig) -> None:
         if result.get("ok") and result.get("wrong"):
             wrong.append(result)
         key = "success" if result.get("ok") else result.get("error", "?")
+        if result["fault"] == "before-gate":
+            key += " (before the READ)"
         outcomes[key] = outcomes.get(key, 0) + 1
     print(f"lease-loss outcomes over 100 cases: {outcomes}; wrong bytes returned as success: {len(wrong)}")
     assert wrong == []
-    assert outcomes == {"LeaseLost": 100}, outcomes
+    assert set(outcomes) <= {"LeaseLost", "LeaseLost (before the READ)"}, outcomes
