@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_DESCRIPTOR_OVERHEAD_S",
     "DEFAULT_LOCAL_COPY_BANDWIDTH",
     "DEFAULT_TRANSFER_BANDWIDTH",
+    "DEVICE_COPY_COSTS",
     "Range",
     "RegionIndex",
     "RowSlicePlan",
@@ -44,6 +45,16 @@ Range = tuple[int, int, int]
 DEFAULT_DESCRIPTOR_OVERHEAD_S = 5e-6  # per-descriptor cost inside one NIXL request
 DEFAULT_TRANSFER_BANDWIDTH = 354e9  # bytes/s of a NIXL READ with large descriptors
 DEFAULT_LOCAL_COPY_BANDWIDTH = 284e9  # bytes/s of a local strided copy (dim-1 half, bf16)
+
+# The same model for a CUDA IPC read (one device copy per range, one H200, BENCHMARKS.md
+# "Colocated"): ~2.5 us per copy on top of its bytes (370 copies took 3.8 ms against 2.9 ms as
+# one flat copy of the same bytes) and ~2.1 TB/s for large copies. The local strided copy that a
+# hull needs runs on the same GPU whichever path brought the bytes.
+DEVICE_COPY_COSTS: dict[str, float] = {
+    "descriptor_overhead_s": 2.5e-6,
+    "transfer_bandwidth": 2.1e12,
+    "local_copy_bandwidth": DEFAULT_LOCAL_COPY_BANDWIDTH,
+}
 
 
 def total_bytes(ops: Iterable[Range]) -> int:

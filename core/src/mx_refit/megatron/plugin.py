@@ -73,5 +73,7 @@ def mx_refit_plan_receive(version: "VersionInfo", target: "TargetLayout") -> "Re
     if MEGATRON_CONFIG_KEY not in version.sidecar:
         return None
     from mx_refit.layout.planner import plan_receive
+    from mx_refit.transport.base import row_slice_costs
 
-    return plan_receive(version, target)
+    # Sliced windows are costed for the path that will read them (device copies or NIXL).
+    return plan_receive(version, target, row_slice_options=row_slice_costs(version.sources))

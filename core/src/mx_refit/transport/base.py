@@ -32,6 +32,7 @@ __all__ = [
     "Transport",
     "check_mode",
     "local_node",
+    "row_slice_costs",
     "select_path",
 ]
 
@@ -125,6 +126,27 @@ def _ipc_obstacle(
     if export.device_uuid != local_uuid and export.device_uuid not in peer_uuids:
         return "the source's GPU is not reachable by peer access from the arena's GPU"
     return None
+
+
+def row_slice_costs(sources: "Sequence[SourceInfo]", node: LocalNode | None = None) -> dict[str, float]:
+    """The cost constants for the hull-or-rows choice when reading ``sources`` from here.
+
+    Device-copy costs (:data:`mx_refit.ranges.DEVICE_COPY_COSTS`) when every source exports its
+    CUDA memory over IPC from this node, so an ``auto`` reader copies on the device; otherwise
+    an empty dict (the NIXL defaults of :func:`mx_refit.ranges.plan_row_slice`). A wrong guess
+    (a reader forced to ``nixl``, an arena on a GPU without peer access) costs speed, never
+    bytes: both modes read exactly the same window.
+    """
+    from mx_refit.ranges import DEVICE_COPY_COSTS
+
+    node = node or local_node()
+    if sources and node.boot_id and all(
+        s.cuda_ipc is not None and s.cuda_ipc.regions and s.cuda_ipc.boot_id == node.boot_id
+        and s.cuda_ipc.host_name == node.host_name
+        for s in sources
+    ):
+        return dict(DEVICE_COPY_COSTS)
+    return {}
 
 
 @dataclass(frozen=True)
