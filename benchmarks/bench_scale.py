@@ -151,6 +151,7 @@ class RunConfig:
     timeout_s: float
     verify: bool = True
     transport: str = "auto"  # weight_sync.transport of every Publisher and Receiver
+    ipc_streams: int = 0  # copy streams of a CUDA IPC read (0: the transport's default)
 
     @property
     def world(self) -> int:
@@ -357,6 +358,8 @@ def worker_main(index: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
                                                       reader_id=f"{label}/w{index}",
                                                       transfer_timeout_s=cfg.timeout_s,
                                                       transport_mode=cfg.transport)
+                    if cfg.ipc_streams and cfg.device == "cuda":
+                        rec.transport.ipc().max_streams = cfg.ipc_streams
                 time.sleep(max(0.0, start_at - _now()))
                 t0 = _now()
                 result = rec.refit(version, wait_s=cfg.timeout_s)
@@ -374,6 +377,7 @@ def worker_main(index: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
                     "sources": s.sources, "new_registrations": s.new_registrations,
                     "transport": s.transport, "handles_opened": s.handles_opened,
                     "device_copy_s": rec.transport.ipc().last_copy_s if s.transport == "cuda_ipc" else None,
+                    "copy_streams": rec.transport.ipc().last_streams if s.transport == "cuda_ipc" else None,
                     "arena_bytes": plan.arena_bytes, "check": report,
                 }))
             elif cmd == "close":
@@ -570,6 +574,10 @@ def summarize(case: Case, layout: synth.TrainerLayout, shape: synth.ModelShape, 
         "handles_opened_steady": sum(w.get("handles_opened", 0) for c in steady for w in c["workers"]),
         "transport": sorted({w.get("transport", "nixl") for c in cycles for w in c["workers"]}),
     }
+    copy_s = [w["device_copy_s"] for c in steady for w in c["workers"] if w.get("device_copy_s")]
+    if copy_s:  # CUDA IPC: the copies alone on the device, and how many streams carried them
+        summary["device_copy_s"] = min(copy_s)
+        summary["copy_streams"] = max(w.get("copy_streams") or 0 for c in steady for w in c["workers"])
     if baseline:
         summary["baseline"] = dict(baseline)
         summary["speedup_vs_bcast"] = baseline["bcast_s"] / best["refit_s"]
@@ -621,7 +629,8 @@ def table(results: dict[str, Any], device: str) -> str:
                          f"{ipc['ipc_copy_flat_s'] * 1e3:.2f} ms) = {ipc['ipc_open_then_copy_flat_s'] * 1e3:.2f} ms; "
                          f"whole refit / baseline = {c['refit_over_ipc']:.2f}, pull / baseline = {c['pull_over_ipc']:.2f}; "
                          f"path {c['transport']}, handles opened in steady cycles {c['handles_opened_steady']}, "
-                         f"new registrations {c['new_registrations_steady']}")
+                         f"new registrations {c['new_registrations_steady']}; device copies alone "
+                         f"{c.get('device_copy_s', 0) * 1e3:.2f} ms on {c.get('copy_streams')} stream(s)")
     lines.append(f"model {model:.3f} GiB; trainers {results['config']['trainer_layout']}; refit = slowest worker's "
                  f"discover+plan+lease+pull+release+materialise, best steady cycle; x = baseline time / mx time")
     return "\n".join(lines)
@@ -706,6 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--colocated", action="store_true",
                         help="CUDA: trainers and receivers may share GPUs; the baseline becomes vLLM's ipc "
                              "engine path (open a CUDA IPC handle, copy the model's bytes), not NCCL")
+    parser.add_argument("--ipc-streams", type=int, default=0,
+                        help="copy streams of a CUDA IPC read (default: the transport's, 4; 1 = one stream)")
     parser.add_argument("--transport", choices=("auto", "nixl", "cuda_ipc"), default="auto",
                         help="weight_sync.transport of every Publisher and Receiver")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte check (it is not timed)")
@@ -751,7 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = _machine(args.device)
     server = start_embedded()
     base = RunConfig(args.device, shape, layout, tuple(trainer_gpus), tuple(receiver_gpus), 0, server.address,
-                     _free_port(), args.timeout_s, verify=not args.no_verify, transport=args.transport)
+                     _free_port(), args.timeout_s, verify=not args.no_verify, transport=args.transport,
+                     ipc_streams=args.ipc_streams)
     skipped = {c.label: why for c in cases if (why := _fits(base, c, shape))}
     runnable = [c for c in cases if c.label not in skipped]
     cfg = dataclasses.replace(base, workers=max((c.workers for c in runnable), default=0))
