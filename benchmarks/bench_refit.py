@@ -134,6 +134,7 @@ def receiver_proc(address: str, device: str, cmd_q, res_q, transport: str = "aut
                                   "device_copy_s": rec.transport.ipc().last_copy_s if s.transport == "cuda_ipc" else None,
                                   "read_s": rec.transport.last_read_s,
                                   "ipc_timing": dict(rec.transport.ipc().last_timing),
+                                  "phase_s": dict(s.phase_seconds),
                                   "identical": bool(torch.equal(got, expected))}))
         for rec in receivers.values():
             rec.close()
@@ -293,7 +294,8 @@ def main() -> int:
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in pulled["ipc_timing"].items()) + ")"
                          if pulled["device_copy_s"] else "")
                       + f", identical={pulled['identical']}; whole refit "
-                      f"(discover, plan, lease, pull, release, materialize) {pulled['refit_wall_s'] * 1e3:.1f} ms",
+                      f"(discover, plan, lease, pull, release, materialize) {pulled['refit_wall_s'] * 1e3:.1f} ms ("
+                      + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in pulled["phase_s"].items()) + ")",
                       flush=True)
             results["cases"][case] = {"tensors": len(sizes), "bytes": sum(sizes), "cycles": cycles}
     finally:

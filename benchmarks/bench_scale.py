@@ -378,6 +378,7 @@ def worker_main(index: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
                     "transport": s.transport, "handles_opened": s.handles_opened,
                     "device_copy_s": rec.transport.ipc().last_copy_s if s.transport == "cuda_ipc" else None,
                     "copy_streams": rec.transport.ipc().last_streams if s.transport == "cuda_ipc" else None,
+                    "phase_s": dict(s.phase_seconds),
                     "arena_bytes": plan.arena_bytes, "check": report,
                 }))
             elif cmd == "close":
@@ -578,6 +579,9 @@ def summarize(case: Case, layout: synth.TrainerLayout, shape: synth.ModelShape, 
     if copy_s:  # CUDA IPC: the copies alone on the device, and how many streams carried them
         summary["device_copy_s"] = min(copy_s)
         summary["copy_streams"] = max(w.get("copy_streams") or 0 for c in steady for w in c["workers"])
+    phases = [w["phase_s"] for c in steady for w in c["workers"] if w.get("phase_s")]
+    if phases:  # where the whole refit goes, per step (median over steady cycles and workers)
+        summary["phase_median_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     if baseline:
         summary["baseline"] = dict(baseline)
         summary["speedup_vs_bcast"] = baseline["bcast_s"] / best["refit_s"]
@@ -631,6 +635,9 @@ def table(results: dict[str, Any], device: str) -> str:
                          f"path {c['transport']}, handles opened in steady cycles {c['handles_opened_steady']}, "
                          f"new registrations {c['new_registrations_steady']}; device copies alone "
                          f"{c.get('device_copy_s', 0) * 1e3:.2f} ms on {c.get('copy_streams')} stream(s)")
+        if "phase_median_s" in c:
+            lines.append(f"{label}: steady refit by step (median ms): " + ", ".join(
+                f"{k} {v * 1e3:.3f}" for k, v in c["phase_median_s"].items()))
     lines.append(f"model {model:.3f} GiB; trainers {results['config']['trainer_layout']}; refit = slowest worker's "
                  f"discover+plan+lease+pull+release+materialise, best steady cycle; x = baseline time / mx time")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ views are reused only for the same plan and arena, with the new bytes visible th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,3 +88,21 @@ def test_layout_key_tracks_digests_not_versions(mx_catalog: str, mx_model_name: 
     assert _layout_key(dataclasses.replace(info, sources=moved), target) != key
     assert _layout_key(info, TargetLayout(tp_size=2, tp_rank=1, full_tensors=False)) != key
     assert _layout_key(dataclasses.replace(info, model="other"), target) != key
+
+
+def test_stats_split_the_whole_refit_into_its_steps(mx_catalog: str, mx_model_name: str) -> None:
+    from mx_refit.types import PublishedTensor
+
+    with Publisher(mx_catalog, mx_model_name) as pub, Receiver(mx_catalog, mx_model_name) as rec:
+        for version in (1, 2):
+            pub.publish(version, [PublishedTensor("w", torch.full((64,), float(version)))])
+            began = time.perf_counter()
+            stats = rec.refit(version).stats
+            wall = time.perf_counter() - began
+            pub.wait_drained(version, timeout_s=30)
+        phases = stats.phase_seconds
+        assert list(phases) == ["discover", "plan", "lease", "heartbeat_start", "pull", "release",
+                                "materialize", "load"]
+        assert all(v >= 0 for v in phases.values())
+        assert phases["pull"] == stats.seconds and phases["plan"] == stats.plan_seconds
+        assert sum(phases.values()) <= wall

@@ -198,7 +198,9 @@ class Receiver:
     def _refit(
         self, attempt: list[int], version: int | None, min_version: int, wait_s: float, notify: bool
     ) -> RefitResult:
+        began = time.perf_counter()
         info = self.discover(version, min_version=min_version, wait_s=wait_s)
+        discovered = time.perf_counter()
         attempt.append(info.version)
         live = {s.source_id for s in info.sources}
         for gone in self.transport.known_sources() - live:  # expired or replaced: close its handles
@@ -208,10 +210,12 @@ class Receiver:
         plan_seconds = time.perf_counter() - planned
         registrations_before = self.transport.registrations
 
+        leasing = time.perf_counter()
         acquired_at = time.monotonic()
         lease_id = self.client.acquire_lease(
             model=self.model, version=info.version, reader_id=self.reader_id, ttl_s=self.lease_ttl_s
         )
+        leased = time.perf_counter()
         lease = LeaseGuard(
             self.client, lease_id, self.lease_ttl_s, acquired_at=acquired_at,
             label=f"model {self.model!r} version {info.version}",
@@ -228,13 +232,21 @@ class Receiver:
         # Every byte is in the arena: this reader is done with the publisher's buffers. The
         # catalog confirms the lease was held until now, or LeaseLost: the bytes may have been
         # mutated under the pull, and nothing may reach the engine.
+        stopping = time.perf_counter()
         lease.release(completed=True)
+        released = time.perf_counter()
 
         pulled = sum(report.nbytes.values())
         tensors = list(plan.materialize(arena))
+        materialized = time.perf_counter()
         if self.engine is not None:
             for batch in _batches(tensors, self.load_batch_bytes):
                 self.hooks.load_weights(self.engine, batch)
+        phases = {
+            "discover": discovered - began, "plan": plan_seconds, "lease": leased - leasing,
+            "heartbeat_start": started - leased, "pull": seconds, "release": released - stopping,
+            "materialize": materialized - released, "load": time.perf_counter() - materialized,
+        }
         stats = RefitStats(
             model=self.model,
             version=info.version,
@@ -248,6 +260,7 @@ class Receiver:
             plan_seconds=plan_seconds,
             transport=report.path,
             handles_opened=report.handles_opened,
+            phase_seconds=phases,
         )
         if notify:
             self.hooks.refit_done(stats)

@@ -263,6 +263,9 @@ class RefitStats:
     plan_seconds: float = 0.0  # planning + coalescing; ~0 once the layout is cached
     transport: str = "nixl"  # the path the bytes took: "nixl", "cuda_ipc" or "mixed"
     handles_opened: int = 0  # CUDA IPC handles opened this cycle (0 once they are cached)
+    # Wall seconds per step of the cycle (discover, plan, lease, heartbeat_start, pull, release,
+    # materialize, load): where a whole refit spends what its pull does not.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
