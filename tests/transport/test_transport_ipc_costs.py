@@ -15,7 +15,7 @@ from mx_refit.transport.base import row_slice_costs
 from mx_refit.transport.cuda_ipc import SPREAD_MIN_COPIES, CudaIpcTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_transport_routing import NODE, export, vram_source  # noqa: E402
+from test_transport_routing import NODE, export, vram_source
 
 
 def test_sources_on_this_node_over_ipc_are_costed_as_device_copies() -> None:
@@ -72,5 +72,5 @@ def test_arena_bounds_are_checked_once_per_list_and_again_for_a_smaller_arena() 
 
     ranges = [(0x1000, 0, 100), (0x2000, 100, 28)]
     assert _check_in_arena("s", ranges, 128) == 128
-    with pytest.raises(InvalidArgument, match="source s: read of 28 bytes at arena offset 100 exceeds the 127-byte arena"):
+    with pytest.raises(InvalidArgument, match="read of 28 bytes at arena offset 100 exceeds the 127-byte arena"):
         _check_in_arena("s", ranges, 127)

@@ -52,6 +52,7 @@ SPREAD_MIN_COPIES = 16
 _COPY_OVERHEAD_BYTES = 5 << 20  # ~2.5 us at ~2 TB/s: what one copy's fixed cost is worth in bytes
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(CUipcMemHandle)
 UUID_BYTES = 16
+_Copy = tuple[int, int, int]  # (source pointer, destination pointer, bytes): one device copy
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
 
@@ -288,8 +289,8 @@ class CudaIpcTransport:
         self._lanes: dict[int, _Lanes] = {}
         self.max_streams = max_streams
         self.last_streams = 0
-        # (identities of the per-source copy lists, their copies spread over the streams)
-        self._spread_cache: tuple[tuple[int, ...], int, list[list[tuple[int, int, int]]]] | None = None
+        # (the per-source copy lists, stream count, their copies spread over the streams)
+        self._spread_cache: tuple[tuple[list[_Copy], ...], int, list[list[_Copy]]] | None = None
         self._node: LocalNode = local_node()
         self.copies = 0
         self.bytes_read = 0
@@ -379,7 +380,7 @@ class CudaIpcTransport:
         if self._cache is None:
             self._cache = HandleCache(driver.open, driver.close)
         opened_before = self._cache.opened
-        parts: list[list[tuple[int, int, int]]] = []
+        parts: list[list[_Copy]] = []
         nbytes: dict[str, int] = {}
         for source_id, ranges in requests.items():
             export = sources[source_id].cuda_ipc
@@ -403,7 +404,7 @@ class CudaIpcTransport:
             parts.append(cached[2])
             nbytes[source_id] = cached[3]
         lanes = self._lanes.get(dev)
-        if lanes is None:
+        if lanes is None or len(lanes.streams) != self.max_streams:
             lanes = self._lanes[dev] = _Lanes(dev, self.max_streams)
         # Copies wait for whatever the arena's users queued before this refit.
         lanes.ready.record(torch.cuda.current_stream(dev))
@@ -446,12 +447,13 @@ class CudaIpcTransport:
         return ReadReport(nbytes, {s: CUDA_IPC for s in requests}, copies,
                           self._cache.opened - opened_before)
 
-    def _spread(self, parts: list[list[tuple[int, int, int]]], streams: int) -> list[list[tuple[int, int, int]]]:
+    def _spread(self, parts: list[list[_Copy]], streams: int) -> list[list[_Copy]]:
         """The cycle's copies as one group per stream, balanced by bytes plus a per-copy cost;
         cached, since the per-source lists are the same objects every steady cycle."""
-        key = tuple(map(id, parts))
         cached = self._spread_cache
-        if cached is not None and cached[0] == key and cached[1] == streams:
+        # Identity, not id(): the cache holds the lists, so a new list never passes for an old one.
+        if (cached is not None and cached[1] == streams and len(cached[0]) == len(parts)
+                and all(a is b for a, b in zip(cached[0], parts))):
             return cached[2]
         copies = [c for part in parts for c in part]
         if streams == 1 or len(copies) < SPREAD_MIN_COPIES:
@@ -464,7 +466,7 @@ class CudaIpcTransport:
                 groups[i].append(copy)
                 load[i] += copy[2] + _COPY_OVERHEAD_BYTES
             groups = [g for g in groups if g]
-        self._spread_cache = (key, streams, groups)
+        self._spread_cache = (tuple(parts), streams, groups)
         return groups
 
     def _check_alive(self, source_id: str, export: CudaIpcExport) -> None:

@@ -90,7 +90,7 @@ class RoutingTransport:
         self._index: dict[tuple[str, int], RegionIndex] = {}
         self._nixl_registered: set[tuple[int, int]] = set()
         self._choices: dict[str, PathChoice] = {}
-        self._checked: dict[str, tuple[Sequence[Range], int]] = {}  # source -> (ranges, arena bytes they need)
+        self._checked: dict[str, tuple[Sequence[Range], int]] = {}  # source -> (ranges, arena bytes reached)
         self._peers: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
         self._node = local_node()
         self._closed = False
