@@ -297,8 +297,8 @@ def preflight(args: argparse.Namespace) -> None:
         config = checks.read_hf_config(args.model, "--model")
         checks.check_layouts(config, source_tp=args.source_tp, source_ep=args.source_ep,
                              targets=[(tp, 1) for tp in args.target_tp])
-    else:
-        checks.require_transport()
+    else:  # colocated on CUDA the demo reads over CUDA IPC and needs no NIXL
+        checks.require_transport(nixl=args.device != "cuda" or args.transport == "nixl")
     checks.check_device(args.device)
     Hooks().describe()  # loads the plugins here: an unknown or broken one fails before any process starts
 

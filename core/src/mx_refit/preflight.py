@@ -114,10 +114,14 @@ def check_layouts(config: Mapping[str, Any], *, source_tp: int = 1, source_pp: i
             raise clash("target-ep", ep, experts, "does not divide")
 
 
-def require_transport() -> None:
-    """torch and a NIXL build are installed (``mx-refit[transport]``)."""
+def require_transport(*, nixl: bool = True) -> None:
+    """torch and a NIXL build are installed (``mx-refit[transport]``).
+
+    ``nixl=False``: only torch (every process on this node with CUDA tensors: CUDA IPC carries
+    the bytes, and NIXL is needed only if a source cannot be read over IPC, which then fails
+    naming the reason)."""
     require("torch", purpose="to publish and receive tensors")
-    if not any(_has(name) for name in ("nixl", "nixl_cu13", "nixl_cu12")):
+    if nixl and not any(_has(name) for name in ("nixl", "nixl_cu13", "nixl_cu12")):
         raise MissingExtra("nixl", "transport", "to move tensors between processes")
 
 
