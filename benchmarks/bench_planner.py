@@ -9,6 +9,7 @@ several receiver layouts, on one core. Prints one JSON object.
     python benchmarks/bench_planner.py                      # TP4 x DP2 ranks, EP8 (8 sources)
     python benchmarks/bench_planner.py --dp 4 --ep 4        # 16 sources, experts on 4 ranks each
     python benchmarks/bench_planner.py --baseline-ref ef779e0 --rounds 5   # old code, same run
+    python benchmarks/bench_planner.py --baseline-ref ef779e0 --rounds 15 --cases tp8
 
 ``--baseline-ref`` times the planner of another commit (its ``core/src``, extracted with
 ``git archive``) on the same manifest in the same run: both are run ``--rounds`` times,
@@ -296,7 +297,7 @@ def compare(args: argparse.Namespace) -> None:
     import tempfile
 
     root = Path(__file__).resolve().parents[1]
-    common = [f"--{k}={getattr(args, k)}" for k in ("tp", "pp", "dp", "ep", "etp", "repeat")]
+    common = [f"--{k}={getattr(args, k)}" for k in ("tp", "pp", "dp", "ep", "etp", "repeat", "cases")]
     runs: dict[str, list[dict[str, Any]]] = {"current": [], "baseline": []}
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(root), "archive", args.baseline_ref, "core/src"],
@@ -335,6 +336,8 @@ def main() -> None:
     parser.add_argument("--src", default=None, help="core/src to time (default: this checkout's)")
     parser.add_argument("--baseline-ref", default=None, help="also time this git commit's planner")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds with --baseline-ref")
+    parser.add_argument("--cases", default="full,tp4,tp2ep8,tp8",
+                        help="comma-separated receiver cases to time (default: all four)")
     args = parser.parse_args()
     if args.baseline_ref:
         compare(args)
@@ -343,12 +346,16 @@ def main() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as specified
 
     version = manifest(args.tp, args.pp, args.dp, args.ep, args.etp)
-    cases = [
-        TargetLayout(full_tensors=True),
-        TargetLayout(tp_size=4, tp_rank=1, full_tensors=False),
-        TargetLayout(tp_size=2, tp_rank=0, ep_size=8, ep_rank=3, full_tensors=False),
-        TargetLayout(tp_size=8, tp_rank=5, full_tensors=False),
-    ]
+    known = {
+        "full": TargetLayout(full_tensors=True),
+        "tp4": TargetLayout(tp_size=4, tp_rank=1, full_tensors=False),
+        "tp2ep8": TargetLayout(tp_size=2, tp_rank=0, ep_size=8, ep_rank=3, full_tensors=False),
+        "tp8": TargetLayout(tp_size=8, tp_rank=5, full_tensors=False),
+    }
+    unknown = [c for c in args.cases.split(",") if c not in known]
+    if unknown:
+        raise SystemExit(f"--cases: unknown case(s) {unknown}; known: {sorted(known)}")
+    cases = [known[c] for c in args.cases.split(",")]
     results = [time_plan(version, target, args.repeat) for target in cases]
     worst = max(r["plan_cpu_ms"]["median"] for r in results)  # type: ignore[index]
     print(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Any
 
 from mx_refit.errors import InvalidArgument
@@ -39,7 +39,6 @@ HF_MAP_KEY = "megatron.hf_map"
 # A shard slot's candidates: parallel tuples of source ids and their (identical-bytes) descriptors.
 Slot = tuple[tuple[str, ...], tuple[TensorDescriptor, ...]]
 
-_NAME = attrgetter("name")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
@@ -101,7 +100,7 @@ def group_sources(version: VersionInfo) -> list[tuple[tuple[str, ...], list[Sour
     """
     groups: dict[tuple[str, ...], list[SourceInfo]] = {}
     for source in sorted(version.sources, key=lambda s: s.source_id):
-        groups.setdefault(tuple(map(_NAME, source.tensors)), []).append(source)
+        groups.setdefault(tuple([t.name for t in source.tensors]), []).append(source)  # see planner
     return [(names, members, tuple(m.source_id for m in members)) for names, members in groups.items()]
 
 
