@@ -20,7 +20,9 @@ def main() -> None:
 
     catalog, model, version, hf_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     tensors = load_version(hf_dir)
-    publisher = Publisher(catalog, model, source_id=f"{model}/hf-source", ttl_s=60.0)
+    # One source id per process: two live processes sharing an id would be one rank restarted,
+    # and the newer incarnation would expire the older one's versions.
+    publisher = Publisher(catalog, model, source_id=f"{model}/hf-source-v{version}", ttl_s=60.0)
     publisher.publish(version, [PublishedTensor(name, tensor) for name, tensor in tensors.items()])
     print("ready", flush=True)
     while True:
