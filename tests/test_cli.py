@@ -118,6 +118,16 @@ def test_serve_json_line_health_service_and_token_from_the_environment():
         _stop(proc)
 
 
+@pytest.mark.timeout(180)
+def test_serve_stops_cleanly_when_terminated_right_after_its_json_line():
+    # A supervisor may stop the server the moment it has read the line: the handlers must
+    # already be installed then (CI once saw death by SIGTERM, exit -15, in that window).
+    for _ in range(3):
+        proc, info = _start_serve()
+        assert info["port"] > 0
+        _stop(proc)
+
+
 @pytest.mark.timeout(120)
 def test_serve_token_file(tmp_path):
     token_file = tmp_path / "token"

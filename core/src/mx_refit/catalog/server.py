@@ -367,10 +367,6 @@ def serve_forever(
             server.address,
         )
     logger.info("mx-refit catalog serving on %s", server.address)
-    if on_listening is not None:
-        on_listening({"address": server.address, "host": host, "port": server.port, "token": token is not None,
-                      "health": "grpc.health.v1.Health", "metrics": metrics_url})
-
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
 
@@ -380,6 +376,11 @@ def serve_forever(
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    # Announce only once the handlers are in: a supervisor that stops us right after reading
+    # the line must get a clean shutdown, not death by SIGTERM.
+    if on_listening is not None:
+        on_listening({"address": server.address, "host": host, "port": server.port, "token": token is not None,
+                      "health": "grpc.health.v1.Health", "metrics": metrics_url})
     try:
         stop.wait()
     finally:
