@@ -85,9 +85,9 @@ def run_zygote(args: argparse.Namespace) -> None:
     import signal
 
     import mx_refit.publisher  # noqa: F401  (warm imports: torch, grpc, the catalog client)
-    import mx_refit.transport.nixl as nixl_mod
+    from mx_refit.transport.nixl_agent import load_nixl
 
-    nixl_mod._load_nixl()
+    load_nixl()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
     emit({"event": "ready", "pid": os.getpid()})
     for cmd in commands():
@@ -157,7 +157,7 @@ def run_reader(args: argparse.Namespace) -> None:
                 transport.gate = cmd["on"]
                 emit({"gate": transport.gate})
             elif cmd["cmd"] == "fds":
-                emit({"fds": fd_count(), "peers": len(transport._peers), "loaded": len(transport._loaded)})
+                emit({"fds": fd_count(), "peers": len(transport._remote.peers), "loaded": len(transport._remote.loaded)})
             elif cmd["cmd"] == "exit":
                 rec.close()
                 transport.close()

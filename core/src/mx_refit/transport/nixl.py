@@ -6,39 +6,25 @@ Measured constraints this module is shaped by (nixl 1.5.1 / UCX, 2xH200 over NVL
 * Every descriptor in a request costs about 5 us: 10,000 x 256 KiB descriptors ran at 46 GB/s,
   64 large ones at 354 GB/s. So all ranges are coalesced (adjacent on BOTH sides) before posting,
   and every descriptor of one peer goes into ONE ``initialize_xfer`` request.
-* Registering 10,000 regions took 0.43 s, one 2.5 GiB region 0.4 ms. So :meth:`register` pins a
-  tensor's whole *storage* (an arena), caches it, and treats any tensor inside an already
-  registered region as a hit; :meth:`register_many` registers all new regions in one call.
+* Registering is costly per region, cheap per byte: :meth:`NixlTransport.register` pins a
+  tensor's whole storage and caches it (:mod:`mx_refit.transport.nixl_memory`).
 * STRIDED (Nx5) descriptors report DONE but move the WRONG bytes. They are never used; a column
   window is fetched per row or as a contiguous hull plus a local strided copy
   (:func:`mx_refit.ranges.plan_row_slice`).
-* The agent runs without the listen thread: metadata travels through the catalog
-  (:meth:`metadata` on the source, :meth:`connect` on the reader). A source must publish its
-  metadata AFTER registering, and again whenever it registers more memory; :meth:`connect` reloads
-  a peer whenever its metadata bytes change (restart or new registrations).
-* ``add_remote_agent`` returns the name as ``bytes``; loading new metadata for an agent name that
-  is already loaded fails with ``NIXL_ERR_NOT_ALLOWED`` (the old one must be removed first); a
-  transfer to a peer that died raises ``nixlRemoteDisconnectError`` when it is posted.
-* Every failed ``add_remote_agent`` of a dead peer leaks a UCX socket that nothing can free (3 per
-  source death when reads retried by reloading its metadata). So a peer that disconnected is
-  removed at once (``remove_remote_agent`` frees its endpoints) and never reloaded inside a read,
-  and an agent whose connection failed is not loaded again with the same metadata for
-  ``unreachable_s``: a restarted source brings new metadata (and, from a Publisher, a new name).
+* Metadata travels through the catalog (:meth:`NixlTransport.metadata` on the source,
+  :meth:`NixlTransport.connect` on the reader); reloading, dead peers and the sockets a failed load
+  leaks are handled in :mod:`mx_refit.transport.nixl_peers`. A transfer to a peer that died
+  raises ``nixlRemoteDisconnectError`` when it is posted.
+* The agent and its UCX progress thread (woken periodically, not busy-polling) are made in
+  :mod:`mx_refit.transport.nixl_agent`.
 
 Checked on 2xH200 with this module (torch 2.11, VRAM GPU1 -> GPU0): 1 GiB READ 239-329 GB/s; the
 dim-1 half of a [8192, 8192] bf16 tensor took 66 ms per-row (8,192 descriptors) and 0.72 ms as a
 hull plus local copy. On the CPU CI box (UCX cma + tcp, 2 shared cores) reads run at 1-5 GB/s.
 
-Idle cost: NIXL's Python wrapper (1.5.1) starts UCX's progress thread with ``pthrDelay=0``, so
-its ``poll()`` on the workers' event fds never blocks and an idle agent burns 65-100% of a core.
-:func:`_create_agent` gives the thread a wake-up period instead (``progress_wake_ms``): it then
-sleeps in ``poll()`` until UCX signals an event (a peer's READ arriving over tcp, a wire-up) or
-the period passes, costing well under 1% of a core idle with unchanged pull figures
-(``benchmarks/bench_idle.py``). The thread is still needed: without it a passive source whose
-peer reads over a two-sided transport (tcp) never answers.
-
 Thread safety: the agent is created with NIXL's no-sync mode (no listen thread), so every agent
-call here is serialised by one lock; polling releases it between checks.
+call here (and in the registration and peer tables, which share the agent) is serialised by one
+lock; polling releases it between checks.
 """
 
 from __future__ import annotations
@@ -51,12 +37,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import InvalidArgument, NotFound, TransferError
-from mx_refit.ranges import Range, RegionIndex, check_local_disjoint, coalesce, total_bytes
+from mx_refit.ranges import Range, check_local_disjoint, coalesce, total_bytes
+from mx_refit.transport.nixl_agent import DEFAULT_PROGRESS_WAKE_MS, create_agent
+from mx_refit.transport.nixl_memory import Registrations
+from mx_refit.transport.nixl_peers import RemoteAgents
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["NixlTransport", "TransferStats"]
+__all__ = ["DEFAULT_PROGRESS_WAKE_MS", "NixlTransport", "TransferStats"]
 
 log = logging.getLogger(__name__)
 
@@ -68,91 +57,6 @@ _PERMANENT_ERRORS = {
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.001  # caps completion-detection lag at 1 ms (0.3% of an 8 GiB NVLink pull)
 _BACKOFF_MAX_S = 1.0
-# UCX progress thread wake-up period. Events wake it at once; the period only bounds the delay
-# after an event that poll() missed (NIXL works around such a UCX bug the same way).
-DEFAULT_PROGRESS_WAKE_MS = 20.0
-_AGENT_INIT_LOCK = threading.Lock()
-
-
-def _load_nixl() -> tuple[Any, Any]:
-    """Import ``nixl_agent``/``nixl_agent_config``; the meta package first, then a bare variant
-    (installing only ``nixl-cu12``/``nixl-cu13`` provides no ``nixl`` module)."""
-    from mx_refit.preflight import require_transport
-
-    require_transport()  # without torch or NIXL: MissingExtra, "install `mx-refit[transport]`"
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        try:
-            from nixl_cu13._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
-        except ImportError:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
-    from mx_refit._logsetup import route_nixl_logs_to_stderr
-
-    route_nixl_logs_to_stderr()  # NIXL logs to stdout by default; stdout belongs to the caller
-    return nixl_agent, nixl_agent_config
-
-
-def _create_agent(name: str, backends: Sequence[str], progress_wake_ms: float | None) -> Any:
-    """A NIXL agent without the listen thread, its UCX progress thread waking every
-    ``progress_wake_ms`` (``0``: NIXL's default busy poll; ``None``: no progress thread).
-
-    The wrapper exposes no delay option and sets ``pthrDelay = 0`` on the config it builds, so the
-    delay is set on that config as it reaches the bindings' ``nixlAgent`` constructor, for the
-    duration of this one construction (serialised by a lock)."""
-    nixl_agent, nixl_agent_config = _load_nixl()
-    config = nixl_agent_config(
-        enable_prog_thread=progress_wake_ms is not None, enable_listen_thread=False, backends=list(backends)
-    )
-    if not progress_wake_ms:
-        return nixl_agent(name, config)
-    import sys
-
-    bindings: Any = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
-    construct = getattr(bindings, "nixlAgent", None)
-    if construct is None:  # a wrapper laid out differently: keep its default, say so
-        log.warning("NIXL wrapper %s has no nixlBind.nixlAgent; progress thread left busy-polling",
-                    nixl_agent.__module__)
-        return nixl_agent(name, config)
-    delay_us = max(1, int(progress_wake_ms * 1000))
-
-    def with_wake_period(agent_name: str, agent_config: Any) -> Any:
-        agent_config.pthrDelay = delay_us
-        return construct(agent_name, agent_config)
-
-    with _AGENT_INIT_LOCK:
-        bindings.nixlAgent = with_wake_period
-        try:
-            return nixl_agent(name, config)
-        finally:
-            bindings.nixlAgent = construct
-
-
-def _as_str(name: str | bytes) -> str:
-    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
-
-
-def _tensor_location(tensor: "torch.Tensor") -> tuple[str, int]:
-    """(NIXL memory type, device id) of a tensor."""
-    dev = tensor.device
-    if dev.type == "cpu":
-        return "DRAM", 0
-    if dev.type == "cuda":
-        if dev.index is not None:
-            return "VRAM", dev.index
-        import torch
-
-        return "VRAM", torch.cuda.current_device()
-    raise InvalidArgument(f"tensor.device: {dev} is not supported (cpu or cuda only)")
-
-
-def _tensor_span(tensor: "torch.Tensor") -> tuple[int, int]:
-    """(address, nbytes) of the bytes a (possibly non-contiguous) tensor can touch."""
-    if tensor.numel() == 0:
-        return tensor.data_ptr(), 0
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return tensor.data_ptr(), (last + 1) * tensor.element_size()
-
 
 @dataclass(frozen=True)
 class TransferStats:
@@ -169,12 +73,6 @@ class TransferStats:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _Peer:
-    agent_name: str
-    metadata: bytes
 
 
 @dataclass
@@ -195,7 +93,6 @@ class _Job:
     attempts: int = 0
     last_error: str = ""
     permanent: bool = False  # retrying cannot help
-
 
 class NixlTransport:
     """One NIXL agent (per process) that registers local memory and READs from remote peers.
@@ -234,7 +131,7 @@ class NixlTransport:
         if progress_wake_ms is not None and progress_wake_ms < 0:
             raise InvalidArgument(f"progress_wake_ms: {progress_wake_ms} must be >= 0 (or None)")
         # Listen thread off: metadata is exchanged through the catalog, never over NIXL's socket.
-        self._agent: Any = _create_agent(name, backends, progress_wake_ms)
+        self._agent: Any = create_agent(name, backends, progress_wake_ms)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise TransferError(f"agent {name}: NIXL backends {missing} are not available")
@@ -244,27 +141,35 @@ class NixlTransport:
         self.retry_backoff_s = retry_backoff_s
         self._lock = threading.RLock()
         self._closed = False
-        # Registered regions (mem, dev, addr, nbytes) -> the storage, kept alive while registered
-        # (memory freed under a live registration could be reused and served to peers), plus a
-        # per-location index for containment checks.
-        self._registered: dict[tuple[str, int, int, int], Any] = {}
-        self._regions: dict[tuple[str, int], RegionIndex] = {}
-        self._peers: dict[str, _Peer] = {}
-        self._loaded: dict[str, bytes] = {}  # remote agent name -> metadata loaded for it
-        # Agents whose connection failed -> (when, why, their metadata); bounded, oldest first.
-        self._unreachable: dict[str, tuple[float, str, bytes]] = {}
-        self.unreachable_s = unreachable_s
+        self._memory = Registrations(self._agent, name)
+        self._remote = RemoteAgents(self._agent, unreachable_s)
         self.bytes_read = 0
         self.descriptors_posted = 0
         self.transfers = 0  # NIXL requests posted, retries included
-        self.registrations = 0  # real NIXL register_memory calls
-        self.remote_loads = 0  # real add_remote_agent calls
         self.retries = 0
 
-    # ------------------------------------------------------------------ identity / metadata
+    # ------------------------------------------------------------------ identity / counters
     @property
     def agent_name(self) -> str:
         return self._name
+
+    @property
+    def registrations(self) -> int:
+        """Real NIXL ``register_memory`` calls so far."""
+        return self._memory.registrations
+
+    @property
+    def remote_loads(self) -> int:
+        """Real NIXL ``add_remote_agent`` calls so far."""
+        return self._remote.remote_loads
+
+    @property
+    def unreachable_s(self) -> float:
+        return self._remote.unreachable_s
+
+    @unreachable_s.setter
+    def unreachable_s(self, seconds: float) -> None:
+        self._remote.unreachable_s = seconds
 
     def metadata(self) -> bytes:
         """This agent's metadata (connection info and registered memory) for the catalog.
@@ -288,189 +193,47 @@ class NixlTransport:
     def register_many(self, tensors: Iterable["torch.Tensor"]) -> int:
         """Register the storages of all ``tensors`` that are not yet covered, in one NIXL call per
         memory type (normally exactly one). Returns the number of new regions."""
-        # mem type -> {(storage addr, storage nbytes, device): storage}
-        new: dict[str, dict[tuple[int, int, int], Any]] = {}
         with self._lock:
             self._check_open()
-            for i, t in enumerate(tensors):
-                mem, dev = _tensor_location(t)
-                addr, nbytes = _tensor_span(t)
-                if nbytes == 0 or self._covered(mem, dev, addr, nbytes):
-                    continue
-                storage = t.untyped_storage()
-                s_addr, s_bytes = storage.data_ptr(), storage.nbytes()
-                if not (s_addr <= addr and addr + nbytes <= s_addr + s_bytes):
-                    raise InvalidArgument(f"tensors[{i}]: bytes {addr:#x}+{nbytes} lie outside its storage")
-                new.setdefault(mem, {})[(s_addr, s_bytes, dev)] = storage
-            count = 0
-            for mem, regions in new.items():
-                # Drop regions contained in another new region of the same batch.
-                keys = sorted(regions, key=lambda k: (k[2], k[0], -k[1]))
-                kept: list[tuple[int, int, int]] = []
-                for a, n, d in keys:
-                    if kept and kept[-1][2] == d and a + n <= kept[-1][0] + kept[-1][1]:
-                        continue
-                    kept.append((a, n, d))
-                descs = [(a, n, d, "") for a, n, d in kept]
-                try:
-                    # The returned reg list is not kept: regions are deregistered individually
-                    # later (NIXL accepts any subset of what was registered).
-                    self._agent.register_memory(descs, mem)
-                except Exception as exc:
-                    raise TransferError(
-                        f"agent {self._name}: registering {len(descs)} {mem} region(s) "
-                        f"({sum(n for _, n, _ in kept)} bytes) failed: {type(exc).__name__}: {exc}"
-                    ) from exc
-                self.registrations += 1
-                for a, n, d in kept:
-                    self._registered[(mem, d, a, n)] = regions[(a, n, d)]
-                    self._regions.setdefault((mem, d), RegionIndex()).add(a, n)
-                count += len(kept)
-            return count
+            return self._memory.register_many(tensors)
 
     def region_of(self, tensor: "torch.Tensor") -> tuple[int, int]:
         """The registered region ``(addr, nbytes)`` holding ``tensor``'s bytes (register it first)."""
-        mem, dev = _tensor_location(tensor)
-        addr, nbytes = _tensor_span(tensor)
         with self._lock:
-            index = self._regions.get((mem, dev))
-            found = index.find(addr, max(nbytes, 1)) if index is not None else None
-        if found is None:
-            raise InvalidArgument(f"tensor bytes {addr:#x}+{nbytes} ({mem} device {dev}) are not registered")
-        return found
+            return self._memory.region_of(tensor)
 
     def is_registered(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> bool:
         """Whether local bytes ``[addr, addr + nbytes)`` lie inside registered memory."""
         with self._lock:
-            return self._covered(mem, dev, addr, nbytes)
+            return self._memory.covered(mem, dev, addr, nbytes)
 
     def deregister(self, tensor: "torch.Tensor") -> int:
         """Deregister every region that contains ``tensor``'s bytes (e.g. an arena being replaced
         by a bigger one) and release its storage. Returns the number of regions removed.
 
         Peers hold the old metadata until the next :meth:`metadata` is published."""
-        mem, dev = _tensor_location(tensor)
-        addr, nbytes = _tensor_span(tensor)
         with self._lock:
             self._check_open()
-            keys = [
-                k for k in self._registered
-                if k[0] == mem and k[1] == dev and k[2] <= addr and addr + nbytes <= k[2] + k[3]
-            ]
-            self._deregister(keys)
-            return len(keys)
+            return self._memory.deregister(tensor)
 
     def deregister_all(self) -> None:
         """Deregister every region and forget the cache (the storages may be freed afterwards)."""
         with self._lock:
-            self._deregister(list(self._registered))
-
-    def _deregister(self, keys: list[tuple[str, int, int, int]]) -> None:
-        errors = []
-        for mem in sorted({k[0] for k in keys}):
-            descs = [(a, n, d, "") for m, d, a, n in keys if m == mem]
-            try:
-                self._agent.deregister_memory(self._agent.get_reg_descs(descs, mem))
-            except Exception as exc:  # keep going: leave as little registered as possible
-                errors.append(f"{mem}: {type(exc).__name__}: {exc}")
-        for key in keys:
-            self._registered.pop(key, None)
-            self._regions[(key[0], key[1])].remove(key[2], key[3])
-        if errors:
-            raise TransferError(f"agent {self._name}: deregistration failed: {'; '.join(errors)}")
-
-    def _covered(self, mem: str, dev: int, addr: int, nbytes: int) -> bool:
-        index = self._regions.get((mem, dev))
-        return index is not None and index.contains(addr, nbytes)
+            self._memory.deregister_all()
 
     # ------------------------------------------------------------------ peers
     def connect(self, peer_key: str, agent_name: str, metadata: bytes) -> str:
         """Make ``peer_key`` readable: load the peer's agent metadata unless exactly these bytes are
         already loaded. Changed metadata (the source restarted or registered more memory) replaces
         the old remote agent. Returns the remote agent name."""
-        metadata = bytes(metadata)
         with self._lock:
             self._check_open()
-            peer = self._peers.get(peer_key)
-            if (
-                peer is not None
-                and peer.agent_name == agent_name
-                and peer.metadata == metadata
-                and self._loaded.get(agent_name) == metadata
-            ):
-                return agent_name
-            loaded = self._loaded.get(agent_name)
-            if loaded is not None and loaded != metadata:
-                # NIXL refuses to load new metadata over a loaded agent (NIXL_ERR_NOT_ALLOWED).
-                self._unload(agent_name)
-            if agent_name not in self._loaded:
-                self._refuse_unreachable(peer_key, agent_name, metadata)
-                self._load(peer_key, agent_name, metadata)
-            if peer is not None and peer.agent_name != agent_name:
-                self._peers.pop(peer_key)
-                self._unload_if_unused(peer.agent_name)
-            self._peers[peer_key] = _Peer(agent_name, metadata)
-            return agent_name
+            return self._remote.connect(peer_key, agent_name, bytes(metadata))
 
     def disconnect(self, peer_key: str) -> None:
         """Forget ``peer_key``; its remote agent is removed once no other peer key uses it."""
         with self._lock:
-            peer = self._peers.pop(peer_key, None)
-            if peer is not None:
-                self._unload_if_unused(peer.agent_name)
-
-    def _refuse_unreachable(self, peer_key: str, agent_name: str, metadata: bytes) -> None:
-        failed = self._unreachable.get(agent_name)
-        if failed is None:
-            return
-        when, why, dead_metadata = failed
-        if metadata != dead_metadata or time.monotonic() - when >= self.unreachable_s:
-            del self._unreachable[agent_name]
-            return
-        raise TransferError(
-            f"peer {peer_key}: agent {agent_name} is unreachable ({why}); not reloading it for "
-            f"{self.unreachable_s:g} s after the failure (a restarted source brings new metadata)",
-            source_id=peer_key,
-        )
-
-    def _mark_unreachable(self, agent_name: str, why: str, metadata: bytes) -> None:
-        self._unreachable.pop(agent_name, None)
-        self._unreachable[agent_name] = (time.monotonic(), why, metadata)
-        while len(self._unreachable) > 4096:
-            del self._unreachable[next(iter(self._unreachable))]
-
-    def _load(self, peer_key: str, agent_name: str, metadata: bytes) -> None:
-        try:
-            loaded_name = _as_str(self._agent.add_remote_agent(metadata))
-        except Exception as exc:
-            self._remove_remote(agent_name)  # whatever part of it NIXL kept
-            self._mark_unreachable(agent_name, f"loading its metadata failed: {type(exc).__name__}", metadata)
-            raise TransferError(
-                f"peer {peer_key}: loading metadata of agent {agent_name} ({len(metadata)} bytes) "
-                f"failed: {type(exc).__name__}: {exc}",
-                source_id=peer_key,
-            ) from exc
-        self.remote_loads += 1
-        if loaded_name != agent_name:
-            self._remove_remote(loaded_name)
-            raise InvalidArgument(
-                f"peer {peer_key}: metadata belongs to agent {loaded_name!r}, not {agent_name!r}"
-            )
-        self._loaded[agent_name] = metadata
-
-    def _unload(self, agent_name: str) -> None:
-        self._loaded.pop(agent_name, None)
-        self._remove_remote(agent_name)
-
-    def _unload_if_unused(self, agent_name: str) -> None:
-        if all(p.agent_name != agent_name for p in self._peers.values()):
-            self._unload(agent_name)
-
-    def _remove_remote(self, agent_name: str) -> None:
-        try:
-            self._agent.remove_remote_agent(agent_name)
-        except Exception as exc:  # already gone / disconnected: nothing left to undo
-            log.debug("remove_remote_agent(%s) failed: %s", agent_name, exc)
+            self._remote.disconnect(peer_key)
 
     def _drop_disconnected(self, job: _Job) -> None:
         """The peer's endpoint failed (it died, or its link did): the read fails now, without
@@ -480,10 +243,7 @@ class NixlTransport:
         job.permanent = True
         job.last_error += " (the remote agent disconnected: the source died or its link dropped)"
         with self._lock:
-            metadata = self._loaded.get(job.agent_name)
-            if metadata is not None:
-                self._unload(job.agent_name)
-                self._mark_unreachable(job.agent_name, "it disconnected", metadata)
+            self._remote.drop_disconnected(job.agent_name)
 
     # ------------------------------------------------------------------ reads
     def read(
@@ -545,7 +305,7 @@ class NixlTransport:
         with self._lock:
             self._check_open()
             for key, ops in requests.items():
-                peer = self._peers.get(key)
+                peer = self._remote.peers.get(key)
                 if peer is None:
                     raise NotFound(f"peer {key}: not connected (call connect() with its metadata first)")
                 r_mem = remote_mem[key] if isinstance(remote_mem, Mapping) else remote_mem
@@ -556,7 +316,7 @@ class NixlTransport:
                 except ValueError as exc:
                     raise InvalidArgument(f"peer {key}: ops: {exc}") from exc
                 for _remote, local, n in merged:
-                    if not self._covered(local_mem, local_dev, local, n):
+                    if not self._memory.covered(local_mem, local_dev, local, n):
                         raise InvalidArgument(
                             f"peer {key}: local range {local:#x}+{n} ({local_mem} device {local_dev}) "
                             f"is not inside memory registered with agent {self._name}; register() "
@@ -638,7 +398,7 @@ class NixlTransport:
 
         job.attempts += 1
         with self._lock:
-            if job.agent_name not in self._loaded:
+            if job.agent_name not in self._remote.loaded:
                 job.last_error = f"remote agent {job.agent_name} is not loaded (it disconnected)"
                 job.permanent = True
                 return
@@ -718,14 +478,13 @@ class NixlTransport:
         with self._lock:
             if self._closed:
                 return
-            for agent_name in list(self._loaded):
-                self._unload(agent_name)
-            self._peers.clear()
+            self._remote.unload_all()
             try:
-                self.deregister_all()
+                self._memory.deregister_all()
             finally:
                 self._closed = True
-                self._agent = None  # the C++ agent is destroyed with its last reference
+                # The C++ agent is destroyed with its last reference.
+                self._agent = self._memory.agent = self._remote.agent = None
 
     def __enter__(self) -> "NixlTransport":
         return self
@@ -739,7 +498,7 @@ class NixlTransport:
 
     def __repr__(self) -> str:
         return (
-            f"NixlTransport({self._name!r}, peers={len(self._peers)}, registrations={self.registrations}, "
+            f"NixlTransport({self._name!r}, peers={len(self._remote.peers)}, registrations={self.registrations}, "
             f"bytes_read={self.bytes_read}, transfers={self.transfers})"
         )
 
