@@ -183,7 +183,7 @@ def _every_key_set(address: str) -> WeightSyncConfig:
                               advertise_host="localhost", token=None),
         transfer_timeout_s=7.0, lease_ttl_s=9.0, source_ttl_s=6.0, drain_timeout_s=8.0, full_tensors=False,
         plugins=[], role_overrides=[RoleOverrideConfig(role="row", pattern="*.fc2.weight")],
-        plugin_settings={"myplugin": {"knob": 1}}, transport="nixl",
+        plugin_settings={"myplugin": {"knob": 1}}, transport="nixl", checksums=True, checksum_block_bytes=8192,
     )
 
 
@@ -202,6 +202,8 @@ CONSUMED = {
     "role_overrides": "Hooks.role_overrides() via configure",
     "plugin_settings": "Hooks.configure settings",
     "transport": "Publisher/Receiver transport_mode (the routing transport's mode)",
+    "checksums": "Publisher/Receiver.checksums",
+    "checksum_block_bytes": "Publisher.checksum_block_bytes (the block size it publishes)",
 }
 CATALOG_CONSUMED = {"mode", "address", "host", "port", "advertise_host", "token"}
 
@@ -219,6 +221,7 @@ def test_every_config_key_is_consumed(mx_catalog):
         assert (pub.model, pub.ttl_s, pub.drain_timeout_s) == ("every-key", 6.0, 8.0)
         assert (rec.model, rec.transfer_timeout_s, rec.lease_ttl_s) == ("every-key", 7.0, 9.0)
         assert pub.transport.mode == rec.transport.mode == "nixl"
+        assert pub.checksums and rec.checksums and pub.checksum_block_bytes == 8192
         assert rec.target == TargetLayout(full_tensors=False)
         assert seen.settings[-1] == as_dict(cfg) and seen.settings[-1]["plugin_settings"] == {"myplugin": {"knob": 1}}
         overrides = hooks.role_overrides()  # the plugin's rule, then the config's
@@ -226,7 +229,9 @@ def test_every_config_key_is_consumed(mx_catalog):
         assert overrides.lookup("a.q.weight", "Linear").role is Role.COLUMN
         weight = torch.arange(6.0)
         pub.publish(1, [PublishedTensor("w", weight)])
-        assert torch.equal(rec.refit(1).tensors[0][1], weight)  # through catalog.address
+        result = rec.refit(1)
+        assert torch.equal(result.tensors[0][1], weight)  # through catalog.address
+        assert result.stats.blocks_verified == 1
     finally:
         rec.close()
         pub.close()

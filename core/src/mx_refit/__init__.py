@@ -18,6 +18,7 @@ import pluggy
 
 from mx_refit._version import __version__
 from mx_refit.errors import (
+    ChecksumMismatch,
     ClassificationError,
     CoverageError,
     FailedPrecondition,
@@ -90,6 +91,7 @@ __all__ = [
     "BridgedModel",
     "Catalog",
     "CatalogServer",
+    "ChecksumMismatch",
     "ClassificationError",
     "CoverageError",
     "FailedPrecondition",

@@ -9,9 +9,10 @@ kept for that plugin in :attr:`WeightSyncConfig.plugin_settings`. Errors name th
 
 Where each key takes effect:
 
-- ``model_name``, ``source_ttl_s``, ``drain_timeout_s``, ``plugins``, ``role_overrides``:
-  ``Publisher.from_config``; ``model_name``, ``transfer_timeout_s``, ``lease_ttl_s``,
-  ``full_tensors``, ``plugins``, ``role_overrides``: ``Receiver.from_config``. Both call
+- ``model_name``, ``source_ttl_s``, ``drain_timeout_s``, ``checksums``, ``checksum_block_bytes``,
+  ``plugins``, ``role_overrides``: ``Publisher.from_config``; ``model_name``,
+  ``transfer_timeout_s``, ``lease_ttl_s``, ``full_tensors``, ``checksums``, ``plugins``,
+  ``role_overrides``: ``Receiver.from_config``. Both call
   ``Hooks.configure(as_dict(cfg))``, so plugins see the whole block (their namespace included).
 - ``catalog.*``: ``catalog_address(cfg)`` (standalone) and ``start_catalog(config=cfg)`` (embedded).
 """
@@ -76,6 +77,8 @@ class WeightSyncConfig:
     drain_timeout_s: float = 120.0
     full_tensors: bool = True
     transport: str = "auto"  # auto | nixl | cuda_ipc (see README, "Data paths")
+    checksums: bool = False  # end-to-end per-block checksums (see README, "End-to-end checksums")
+    checksum_block_bytes: int = 1 << 20  # block size of those checksums (publishers)
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
     role_overrides: list[RoleOverrideConfig] = field(default_factory=list)
     # weight_sync.<plugin>: {...} namespaces, untouched by mx-refit, for their plugins
@@ -104,6 +107,11 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
             raise InvalidArgument(f"weight_sync.{key}: {getattr(cfg, key)} must be > 0")
     if cfg.transport not in ("auto", "nixl", "cuda_ipc"):
         raise InvalidArgument(f"weight_sync.transport: {cfg.transport!r} (expected 'auto', 'nixl' or 'cuda_ipc')")
+    if not isinstance(cfg.checksums, bool):
+        raise InvalidArgument(f"weight_sync.checksums: {cfg.checksums!r} (expected true or false)")
+    from mx_refit.checksums import check_block_bytes
+
+    check_block_bytes(cfg.checksum_block_bytes, "weight_sync.checksum_block_bytes")
     roles = {r.value for r in Role}
     for i, rule in enumerate(cfg.role_overrides):
         if rule.role not in roles:

@@ -7,6 +7,7 @@ back, so callers see the same exceptions whether the catalog is embedded or remo
 from __future__ import annotations
 
 __all__ = [
+    "ChecksumMismatch",
     "ClassificationError",
     "CoverageError",
     "FailedPrecondition",
@@ -51,6 +52,17 @@ class TransferError(MxRefitError):
     def __init__(self, message: str, *, source_id: str | None = None) -> None:
         super().__init__(message)
         self.source_id = source_id
+
+
+class ChecksumMismatch(TransferError):
+    """Bytes received from a source do not match the checksum it published for them (a bit
+    flipped in the source's memory, on the wire or in the arena). Names the tensor, the block
+    and the source; nothing was loaded."""
+
+    def __init__(self, message: str, *, source_id: str, tensor: str, block: int) -> None:
+        super().__init__(message, source_id=source_id)
+        self.tensor = tensor
+        self.block = block
 
 
 class ClassificationError(MxRefitError, ValueError):

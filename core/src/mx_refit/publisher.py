@@ -114,10 +114,17 @@ class Publisher:
         expected_readers: int = 0,
         drain_timeout_s: float = 120.0,
         transport_mode: str = "auto",
+        checksums: bool = False,
+        checksum_block_bytes: int = 1 << 20,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
+        from mx_refit.checksums import check_block_bytes
         from mx_refit.plugins import Hooks
 
+        if not isinstance(checksums, bool):
+            raise InvalidArgument(f"checksums: must be a bool, got {checksums!r}")
+        self.checksums = checksums
+        self.checksum_block_bytes = check_block_bytes(checksum_block_bytes, "checksum_block_bytes")
         self.model = model
         self.mesh = mesh or MeshPosition()
         self.mesh.validate()
@@ -176,6 +183,8 @@ class Publisher:
             "ttl_s": cfg.source_ttl_s,
             "drain_timeout_s": cfg.drain_timeout_s,
             "transport_mode": cfg.transport,
+            "checksums": cfg.checksums,
+            "checksum_block_bytes": cfg.checksum_block_bytes,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -250,6 +259,11 @@ class Publisher:
             self._published = [t.tensor for t in tensors]
         regions = sorted({self.transport.region_of(t.tensor) for t in tensors if t.tensor.numel()})
         agent_name, metadata, cuda_ipc = self.transport.describe(regions)
+        checksums = None
+        if self.checksums:  # on the tensors' own devices; only the sums reach the host
+            from mx_refit.checksums import source_checksums
+
+            checksums = source_checksums([t.tensor for t in tensors], self.checksum_block_bytes)
         source = SourceInfo(
             source_id=self.source_id,
             mesh=self.mesh,
@@ -259,6 +273,7 @@ class Publisher:
             regions=tuple(regions),
             cuda_ipc=cuda_ipc,
             incarnation=self.incarnation,
+            checksums=checksums,
         )
         self.client.register_source(
             model=self.model,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from mx_refit.catalog.api import Catalog
+    from mx_refit.checksums import Verification
     from mx_refit.config import WeightSyncConfig
     from mx_refit.plan import ReceivePlan
     from mx_refit.plugins import Hooks
@@ -73,6 +74,7 @@ class Receiver:
         transfer_timeout_s: float = 120.0,
         load_batch_bytes: int = 512 << 20,
         transport_mode: str = "auto",
+        checksums: bool = False,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
@@ -85,6 +87,9 @@ class Receiver:
             raise InvalidArgument(f"load_batch_bytes: must be an integer >= 1, got {load_batch_bytes!r}")
         if not isinstance(model, str) or not model:
             raise InvalidArgument(f"model: must be a non-empty string, got {model!r}")
+        if not isinstance(checksums, bool):
+            raise InvalidArgument(f"checksums: must be a bool, got {checksums!r}")
+        self.checksums = checksums  # verify every pulled byte against the sources' checksums
 
         self.model = model
         self.client: Catalog = as_catalog(catalog, token=token)
@@ -103,6 +108,7 @@ class Receiver:
         self._owns_transport = self.transport is not transport  # ours (a given NIXL one stays open)
         self._arena: "torch.Tensor | None" = None
         self._cached_plan: "tuple[int, ReceivePlan, dict[str, list[tuple[int, int, int]]]] | None" = None
+        self._cached_widening: "tuple[Any, Verification] | None" = None
 
     @classmethod
     def from_config(
@@ -134,6 +140,7 @@ class Receiver:
             "lease_ttl_s": cfg.lease_ttl_s,
             "transfer_timeout_s": cfg.transfer_timeout_s,
             "transport_mode": cfg.transport,
+            "checksums": cfg.checksums,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -207,6 +214,7 @@ class Receiver:
             self.transport.forget(gone)
         planned = time.perf_counter()
         plan, requests = self._plan(info)
+        widening = self._widen(info, plan, requests) if self.checksums else None
         plan_seconds = time.perf_counter() - planned
         registrations_before = self.transport.registrations
 
@@ -222,9 +230,9 @@ class Receiver:
         )
         lease.start()
         try:
-            arena = self._arena_for(plan.arena_bytes)
+            arena = self._arena_for(widening.arena_bytes if widening else plan.arena_bytes)
             started = time.perf_counter()
-            report = self._pull(info, requests, arena, lease.check)
+            report = self._pull(info, widening.requests if widening else requests, arena, lease.check)
             seconds = time.perf_counter() - started
         except BaseException:
             lease.abandon()
@@ -237,6 +245,12 @@ class Receiver:
         released = time.perf_counter()
 
         pulled = sum(report.nbytes.values())
+        blocks = 0
+        if widening is not None:  # every pulled block against its checksum, before anything is loaded
+            from mx_refit.checksums import verify
+
+            blocks = verify(arena, widening, {s.source_id: s for s in info.sources})
+        verified = time.perf_counter()
         tensors = list(plan.materialize(arena))
         materialized = time.perf_counter()
         if self.engine is not None:
@@ -245,7 +259,8 @@ class Receiver:
         phases = {
             "discover": discovered - began, "plan": plan_seconds, "lease": leased - leasing,
             "heartbeat_start": started - leased, "pull": seconds, "release": released - stopping,
-            "materialize": materialized - released, "load": time.perf_counter() - materialized,
+            "verify": verified - released, "materialize": materialized - verified,
+            "load": time.perf_counter() - materialized,
         }
         stats = RefitStats(
             model=self.model,
@@ -260,6 +275,7 @@ class Receiver:
             plan_seconds=plan_seconds,
             transport=report.path,
             handles_opened=report.handles_opened,
+            blocks_verified=blocks,
             phase_seconds=phases,
         )
         if notify:
@@ -311,6 +327,20 @@ class Receiver:
                 )
         self._cached_plan = (key, plan, requests)
         return plan, requests
+
+    def _widen(
+        self, info: VersionInfo, plan: "ReceivePlan", requests: dict[str, list[tuple[int, int, int]]]
+    ) -> "Verification":
+        """The plan's reads widened to whole checksum blocks (see :mod:`mx_refit.checksums`),
+        cached like the plan: by its layout and each source's block size."""
+        from mx_refit.checksums import widen
+
+        blocks = tuple((s.source_id, s.checksums.block_bytes if s.checksums else 0) for s in info.sources)
+        key = (self._cached_plan[0] if self._cached_plan else None, blocks)
+        if self._cached_widening is None or self._cached_widening[0] != key:
+            sources = {s.source_id: s for s in info.sources}
+            self._cached_widening = (key, widen(requests, sources, plan.arena_bytes))
+        return self._cached_widening[1]
 
     def _pull(
         self,

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "DTYPE_SIZES",
+    "BlockChecksums",
     "CudaIpcExport",
     "IpcRegion",
     "MemType",
@@ -154,6 +155,18 @@ class CudaIpcExport:
 
 
 @dataclass(frozen=True)
+class BlockChecksums:
+    """End-to-end checksums of a source's tensors (``weight_sync.checksums``, see
+    :mod:`mx_refit.checksums`): every tensor's bytes are cut into blocks of ``block_bytes`` from
+    its first byte (the last block may be shorter), and ``sums`` holds one checksum per block,
+    tensor after tensor in the order of :attr:`SourceInfo.tensors`
+    (``ceil(nbytes / block_bytes)`` values per tensor)."""
+
+    block_bytes: int
+    sums: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SourceInfo:
     """A publishing process (a trainer rank or a replica) and everything a reader needs of it.
 
@@ -172,6 +185,10 @@ class SourceInfo:
     ``cuda_ipc``: the source's CUDA IPC export (same-node readers copy its CUDA regions device to
     device), or ``None``. It is sent with every reply (handles change when a trainer reallocates
     after a drain, while the layout may not).
+
+    ``checksums``: per-block checksums of the tensors' bytes for this version, or ``None`` (off).
+    Like ``cuda_ipc`` it is sent with every reply and is not part of ``layout_digest``: the
+    bytes change every version while the layout does not.
     """
 
     source_id: str
@@ -184,6 +201,7 @@ class SourceInfo:
     layout_digest: str = field(default="", compare=False)
     cuda_ipc: CudaIpcExport | None = None
     incarnation: str = ""
+    checksums: BlockChecksums | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +281,7 @@ class RefitStats:
     plan_seconds: float = 0.0  # planning + coalescing; ~0 once the layout is cached
     transport: str = "nixl"  # the path the bytes took: "nixl", "cuda_ipc" or "mixed"
     handles_opened: int = 0  # CUDA IPC handles opened this cycle (0 once they are cached)
+    blocks_verified: int = 0  # checksum blocks verified (weight_sync.checksums; 0 when off)
     # Wall seconds per step of the cycle (discover, plan, lease, heartbeat_start, pull, release,
     # materialize, load): where a whole refit spends what its pull does not.
     phase_seconds: dict[str, float] = field(default_factory=dict)

@@ -27,6 +27,7 @@ from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.validation import json_text, to_json_value
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import (
+    BlockChecksums,
     CudaIpcExport,
     IpcRegion,
     MemType,
@@ -229,6 +230,12 @@ def source_to_proto(
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
     if source.cuda_ipc is not None:
         _fill_cuda_ipc(msg.cuda_ipc, source.cuda_ipc)
+    if source.checksums is not None:  # sent also when the layout is omitted: it changes every version
+        try:
+            msg.checksums.block_bytes = source.checksums.block_bytes
+            msg.checksums.sums.extend(source.checksums.sums)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgument(f"source.checksums: cannot encode: {exc}") from None
     if omit_tensors:
         msg.tensors_omitted = True
         return msg
@@ -282,6 +289,10 @@ def source_from_proto(
         layout_digest=digest,
         incarnation=msg.incarnation,
         cuda_ipc=cuda_ipc_from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
+        checksums=(
+            BlockChecksums(msg.checksums.block_bytes, tuple(msg.checksums.sums))
+            if msg.HasField("checksums") else None
+        ),
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mx_refit.checksums import validate_checksums
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import (
     DTYPE_SIZES,
@@ -450,6 +451,7 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         raise InvalidArgument(f"source.ready: must be a bool, got {source.ready!r}")
     regions = _validate_regions(source.regions, clean, limits)
     cuda_ipc = validate_cuda_ipc(source.cuda_ipc, regions, clean)
+    checksums = validate_checksums(source.checksums, clean)
     return SourceInfo(
         source_id=source_id,
         mesh=mesh,
@@ -460,6 +462,7 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         regions=regions,
         incarnation=_check_incarnation(source.incarnation),
         cuda_ipc=cuda_ipc,
+        checksums=checksums,
     )
 
 

@@ -97,7 +97,7 @@ class TensorDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class SourceInfo(_message.Message):
     TENSORS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
@@ -120,7 +121,16 @@ class SourceInfo(_message.Message):
     tensors_omitted: bool
     incarnation: str
     cuda_ipc: CudaIpcExport
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ...) -> None: ...
+    checksums: BlockChecksums
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ...) -> None: ...
+
+class BlockChecksums(_message.Message):
+    __slots__ = ("block_bytes", "sums")
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    block_bytes: int
+    sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_bytes: _Optional[int] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CudaIpcExport(_message.Message):
     __slots__ = ("boot_id", "host_name", "pid", "pid_namespace", "device_uuid", "regions")

@@ -1,0 +1,386 @@
+"""End-to-end checksums (``weight_sync.checksums``, off by default).
+
+**The function.** A tensor's bytes are cut into blocks of ``block_bytes`` from its first byte
+(the last block may be shorter). A block of ``n`` bytes is read as ``m = n // 4`` little-endian
+int32 words ``x_i`` plus ``n % 4`` tail bytes ``b_j``; its checksum is the int64
+
+    sum_i wrap32(x_i * (2i + 1))  +  sum_j b_j * (2(m + j) + 1)
+
+where ``wrap32`` is the product modulo 2**32 as a signed int32 (what int32 multiplication does
+on every CPU and GPU). The weights are odd, so flipping any bit k of word i changes its product
+by ``±(2i+1) * 2**k``, which is never 0 modulo 2**32, and the int64 sum of at most 2**28
+products never overflows: **every single bit flip changes the checksum**, and so does moving a
+word to another position (different weights). It is an error-detecting code, not a MAC.
+
+It runs where the bytes live, with torch ops on the tensor's own device (one multiply and one
+row-sum per chunk of blocks, 64 MiB at a time): on the GPU for VRAM, with no host copy of the
+weights; only the int64 sums (8 bytes per block) reach the host.
+
+**Partial reads.** Receivers pull byte subranges of source tensors (TP resharding, row windows,
+coalesced hulls), and a checksum can only vouch for a whole block. With checksums on, the
+receiver widens its reads (:func:`widen`): a block wholly inside a planned read is read in place
+and verified there; a block the plan touches only in part is read whole, once, into a staging
+area after the plan's arena, verified, and the plan's bytes are copied out of it. So every byte
+that reaches the engine lies in a verified block. The cost is at most one extra block per edge
+of each planned range (``RefitStats.bytes_pulled`` counts it), one local copy of the partially
+covered bytes, and the checksum pass itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mx_refit.errors import ChecksumMismatch, InvalidArgument, TransferError
+from mx_refit.types import BlockChecksums, SourceInfo, TensorDescriptor
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "Verification",
+    "block_count",
+    "check_block_bytes",
+    "source_checksums",
+    "span_sums",
+    "validate_checksums",
+    "verify",
+    "widen",
+]
+
+DEFAULT_BLOCK_BYTES = 1 << 20
+MIN_BLOCK_BYTES = 4096
+MAX_BLOCK_BYTES = 1 << 30
+_CHUNK_BYTES = 64 << 20  # bounds the int32 temporary of one multiply
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def check_block_bytes(value: object, field: str) -> int:
+    """``value`` as a block size, or :class:`InvalidArgument` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+        MIN_BLOCK_BYTES <= value <= MAX_BLOCK_BYTES and value % 4 == 0
+    ):
+        raise InvalidArgument(
+            f"{field}: must be a multiple of 4 in [{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}], got {value!r}"
+        )
+    return value
+
+
+def block_count(nbytes: int, block_bytes: int) -> int:
+    return -(-nbytes // block_bytes)
+
+
+def validate_checksums(
+    checksums: object, tensors: Sequence[TensorDescriptor]
+) -> BlockChecksums | None:
+    """The catalog's check of ``SourceInfo.checksums``: block size, and one int64 per block."""
+    if checksums is None:
+        return None
+    if not isinstance(checksums, BlockChecksums):
+        raise InvalidArgument(f"source.checksums: expected a BlockChecksums, got {type(checksums).__name__}")
+    block = check_block_bytes(checksums.block_bytes, "source.checksums.block_bytes")
+    sums = checksums.sums
+    if isinstance(sums, (str, bytes)) or not isinstance(sums, Sequence):
+        raise InvalidArgument(f"source.checksums.sums: must be a sequence, got {type(sums).__name__}")
+    expected = sum(block_count(d.nbytes, block) for d in tensors)
+    if len(sums) != expected:
+        raise InvalidArgument(
+            f"source.checksums.sums: {len(sums)} values, but {len(tensors)} tensors in blocks of "
+            f"{block} bytes make {expected} blocks"
+        )
+    for index, value in enumerate(sums):
+        if isinstance(value, bool) or not isinstance(value, int) or not _INT64[0] <= value <= _INT64[1]:
+            raise InvalidArgument(f"source.checksums.sums[{index}]: {value!r} is not an int64")
+    return BlockChecksums(block, tuple(sums))
+
+
+# --- the function --------------------------------------------------------------------------------
+
+_WEIGHTS: dict[tuple[str, int], "torch.Tensor"] = {}
+
+
+def _weights(device: "torch.device", words: int) -> "torch.Tensor":
+    """Odd int32 weights 1, 3, 5, ... (at least ``words`` of them) on ``device``, made once."""
+    import torch
+
+    key = (str(device), 0)
+    have = _WEIGHTS.get(key)
+    if have is None or have.numel() < words:
+        have = torch.arange(1, 2 * words + 1, 2, dtype=torch.int32, device=device)
+        _WEIGHTS[key] = have
+    return have
+
+
+def _aligned(data: "torch.Tensor") -> "torch.Tensor":
+    # An int32 view needs a 4-byte aligned start; a rare unaligned span is copied on its device.
+    return data if data.storage_offset() % 4 == 0 else data.clone()
+
+
+def _one_block(data: "torch.Tensor", weights: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    n = data.numel()
+    words = n // 4
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    if words:
+        x = _aligned(data[: words * 4]).view(torch.int32)
+        total = total + (x * weights[:words]).sum(dtype=torch.int64)
+    if n % 4:
+        tail = data[words * 4 :].to(torch.int64)
+        total = total + (tail * weights[words : words + n % 4].to(torch.int64)).sum()
+    return total.reshape(1)
+
+
+def span_sums(data: "torch.Tensor", block_bytes: int) -> "torch.Tensor":
+    """Checksums (an int64 tensor on ``data``'s device) of the consecutive blocks of a flat
+    uint8 span that starts at a block boundary; every block but the last is whole."""
+    import torch
+
+    n = data.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=data.device)
+    weights = _weights(data.device, block_bytes // 4 + 4)
+    full = n // block_bytes
+    parts = []
+    if full:
+        per_chunk = max(1, _CHUNK_BYTES // block_bytes)
+        body = _aligned(data[: full * block_bytes]).view(torch.int32).view(full, block_bytes // 4)
+        w = weights[: block_bytes // 4]
+        for start in range(0, full, per_chunk):
+            parts.append((body[start : start + per_chunk] * w).sum(dim=1, dtype=torch.int64))
+    if n > full * block_bytes:
+        parts.append(_one_block(data[full * block_bytes :], weights))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _flat_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def source_checksums(tensors: Sequence["torch.Tensor"], block_bytes: int) -> BlockChecksums:
+    """The checksums a publisher attaches to its source: every block of every tensor, computed
+    on the tensors' devices; one host transfer of the sums per device at the end."""
+    import torch
+
+    check_block_bytes(block_bytes, "checksum_block_bytes")
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    order: list[tuple[torch.device, int]] = []
+    for tensor in tensors:
+        if not tensor.numel():
+            continue
+        sums = span_sums(_flat_bytes(tensor), block_bytes)
+        parts = by_device.setdefault(tensor.device, [])
+        order.append((tensor.device, len(parts)))
+        parts.append(sums)
+    host = {device: [t.tolist() for t in torch.cat(parts).split([p.numel() for p in parts])]
+            for device, parts in by_device.items()}
+    flat: list[int] = []
+    for device, index in order:
+        flat.extend(host[device][index])
+    return BlockChecksums(block_bytes, tuple(flat))
+
+
+# --- receiving: widen the reads, verify the blocks ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive blocks of one source tensor lying back to back in the arena."""
+
+    source_id: str
+    tensor: str
+    first_block: int  # block index within the tensor
+    first_sum: int  # index into the source's BlockChecksums.sums
+    arena_offset: int
+    nbytes: int
+
+
+@dataclass
+class Verification:
+    """How a plan's reads are widened to whole blocks, and which arena bytes to verify.
+
+    ``requests``: per source, ``(remote_addr, arena_offset, nbytes)`` to pull instead of the
+    plan's; ``arena_bytes``: the arena size including the staging area; ``runs``: what to
+    verify; ``copies``: ``(staging_offset, plan_offset, nbytes)`` local copies out of verified
+    staged blocks into the plan's places, done only after every block verified.
+    """
+
+    requests: dict[str, list[tuple[int, int, int]]]
+    arena_bytes: int
+    block_bytes: dict[str, int]
+    runs: list[_Run]
+    copies: list[tuple[int, int, int]]
+    staged_bytes: int
+
+
+def _align(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def widen(
+    plan_requests: dict[str, list[tuple[int, int, int]]],
+    sources: dict[str, SourceInfo],
+    plan_arena_bytes: int,
+) -> Verification:
+    """Widen ``plan_requests`` (per source, ``(remote_addr, arena_offset, nbytes)``) so that every
+    byte lies in a whole block that is read and verified; see the module docstring.
+
+    :raises TransferError: a source published no checksums, or a planned byte lies in no tensor.
+    """
+    requests: dict[str, list[tuple[int, int, int]]] = {}
+    runs: list[_Run] = []
+    copies: list[tuple[int, int, int]] = []
+    staging_cursor = _align(plan_arena_bytes)
+    block_sizes: dict[str, int] = {}
+    for source_id, ops in plan_requests.items():
+        source = sources[source_id]
+        if source.checksums is None:
+            raise TransferError(
+                f"source {source_id!r} published no checksums, but this receiver verifies every "
+                "byte (weight_sync.checksums: true on the receiver; turn it on for the trainers too)",
+                source_id=source_id,
+            )
+        block = source.checksums.block_bytes
+        block_sizes[source_id] = block
+        index = _TensorIndex(source.tensors, block)
+        direct: list[tuple[int, int, int]] = []
+        staged: dict[tuple[int, int], int] = {}  # (tensor index, block) -> staging offset
+        for remote, local, nbytes in ops:
+            pos, end = remote, remote + nbytes
+            while pos < end:
+                t = index.containing(pos)
+                if t is None:
+                    raise TransferError(
+                        f"source {source_id!r}: planned byte at {pos:#x} lies in no published tensor, "
+                        "so no checksum covers it", source_id=source_id,
+                    )
+                desc = source.tensors[t]
+                stop = min(end, desc.addr + desc.nbytes)
+                first, last = (pos - desc.addr) // block, (stop - 1 - desc.addr) // block
+                for k in range(first, last + 1):
+                    b_start = desc.addr + k * block
+                    b_end = min(b_start + block, desc.addr + desc.nbytes)
+                    lo, hi = max(pos, b_start), min(stop, b_end)
+                    plan_offset = local + (lo - remote)
+                    if lo == b_start and hi == b_end:  # the plan reads this block whole: in place
+                        direct.append((b_start, plan_offset, b_end - b_start))
+                        runs.append(_Run(source_id, desc.name, k, index.first_sum[t] + k, plan_offset,
+                                         b_end - b_start))
+                        continue
+                    at = staged.get((t, k))
+                    if at is None:
+                        at = staged[(t, k)] = staging_cursor
+                        staging_cursor = _align(staging_cursor + (b_end - b_start))
+                        direct.append((b_start, at, b_end - b_start))
+                        runs.append(_Run(source_id, desc.name, k, index.first_sum[t] + k, at,
+                                         b_end - b_start))
+                    copies.append((at + (lo - b_start), plan_offset, hi - lo))
+                pos = stop
+        requests[source_id] = direct
+    from mx_refit.ranges import coalesce
+
+    return Verification(
+        requests={sid: _cut(coalesce(ops), sources[sid]) for sid, ops in requests.items()},
+        arena_bytes=max(staging_cursor, 1),
+        block_bytes=block_sizes,
+        runs=_merge_runs(runs, block_sizes),
+        copies=copies,
+        staged_bytes=staging_cursor - _align(plan_arena_bytes),
+    )
+
+
+def _cut(ops: list[tuple[int, int, int]], source: SourceInfo) -> list[tuple[int, int, int]]:
+    from mx_refit.ranges import split_at
+
+    spans = source.regions or tuple((d.addr, d.nbytes) for d in source.tensors)
+    return split_at(ops, sorted({e for a, n in spans for e in (a, a + n)}))
+
+
+class _TensorIndex:
+    """Which published tensor holds a remote address (bisect over sorted starts)."""
+
+    def __init__(self, tensors: Sequence[TensorDescriptor], block: int) -> None:
+        self.order = sorted((d.addr, i) for i, d in enumerate(tensors) if d.nbytes)
+        self.starts = [a for a, _ in self.order]
+        self.tensors = tensors
+        self.longest = max((d.nbytes for d in tensors), default=0)
+        self.first_sum: list[int] = []
+        cursor = 0
+        for d in tensors:
+            self.first_sum.append(cursor)
+            cursor += block_count(d.nbytes, block)
+
+    def containing(self, addr: int) -> int | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        while i >= 0:  # aliasing tensors may overlap: the nearest start that still holds addr
+            _, t = self.order[i]
+            d = self.tensors[t]
+            if d.addr <= addr < d.addr + d.nbytes:
+                return t
+            i -= 1
+            if i >= 0 and self.order[i][0] + self.longest <= addr:
+                break
+        return None
+
+
+def _merge_runs(runs: list[_Run], block_sizes: dict[str, int]) -> list[_Run]:
+    """Join runs of the same tensor's consecutive whole blocks that sit back to back."""
+    merged: list[_Run] = []
+    for run in sorted(runs, key=lambda r: r.arena_offset):
+        prev = merged[-1] if merged else None
+        block = block_sizes[run.source_id]
+        if (
+            prev is not None and prev.source_id == run.source_id and prev.tensor == run.tensor
+            and prev.nbytes % block == 0
+            and prev.arena_offset + prev.nbytes == run.arena_offset
+            and run.first_block == prev.first_block + prev.nbytes // block
+        ):
+            merged[-1] = _Run(prev.source_id, prev.tensor, prev.first_block, prev.first_sum,
+                              prev.arena_offset, prev.nbytes + run.nbytes)
+        else:
+            merged.append(run)
+    return merged
+
+
+def verify(arena: "torch.Tensor", verification: Verification, sources: dict[str, SourceInfo]) -> int:
+    """Check every pulled block against its source's published checksum, then copy the staged
+    bytes into the plan's places. Returns the number of blocks verified.
+
+    :raises ChecksumMismatch: naming the first bad block's tensor, block, byte range and source
+        (and how many blocks mismatched); the plan's places are left as pulled.
+    """
+    import torch
+
+    computed = [span_sums(arena[r.arena_offset : r.arena_offset + r.nbytes], verification.block_bytes[r.source_id])
+                for r in verification.runs]
+    got = torch.cat(computed).tolist() if computed else []  # one device -> host transfer of sums
+    bad: list[tuple[_Run, int, int, int]] = []
+    cursor = 0
+    for run in verification.runs:
+        published = sources[run.source_id].checksums
+        assert published is not None  # widen() refused sources without checksums
+        blocks = block_count(run.nbytes, verification.block_bytes[run.source_id])
+        for j in range(blocks):
+            want = published.sums[run.first_sum + j]
+            if got[cursor + j] != want:
+                bad.append((run, j, want, got[cursor + j]))
+        cursor += blocks
+    if bad:
+        run, j, want, have = bad[0]
+        block = verification.block_bytes[run.source_id]
+        k = run.first_block + j
+        raise ChecksumMismatch(
+            f"checksum mismatch in tensor {run.tensor!r} from source {run.source_id!r}: block {k} "
+            f"(bytes [{k * block}, {k * block + min(block, run.nbytes - j * block)})) published "
+            f"{want}, received {have}; {len(bad)} of {cursor} pulled blocks differ; nothing was loaded",
+            source_id=run.source_id, tensor=run.tensor, block=k,
+        )
+    for staged, place, nbytes in verification.copies:
+        arena[place : place + nbytes].copy_(arena[staged : staged + nbytes])
+    return cursor
