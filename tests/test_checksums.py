@@ -7,6 +7,7 @@ import bisect
 import dataclasses
 import multiprocessing as mp
 import random
+import uuid
 from collections import defaultdict
 
 import numpy as np
@@ -25,11 +26,19 @@ from mx_refit.ranges import coalesce
 from mx_refit.receiver import Receiver
 from mx_refit.types import BlockChecksums, PublishedTensor, TargetLayout
 from tests import _checksum_source
+from tests.layout import _planner_harness
 from tests.layout._planner_harness import ModelSpec, SourceLayout, expected_window, publish
 
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK = 4096
+
+
+@pytest.fixture(autouse=True)
+def _reference_math(monkeypatch):
+    # Megatron globals from the reference math, not Bridge (its import alone takes ~20 s): the
+    # planner suite checks Bridge fidelity; these tests check what reaches the engine.
+    monkeypatch.setattr(_planner_harness, "_PM", False)
 # Big enough that tensors span many blocks (a row-sliced read touches blocks in part).
 SPEC = dict(layers=1, hidden=256, heads=4, groups=2, head_dim=64, ffn=512, vocab=500)
 
@@ -96,6 +105,7 @@ def _execute(requests, arena_bytes, memory):
     return arena
 
 
+CASE_IDS = ["tp2-whole", "tp2-to-tp1", "tp2-to-tp4r1", "tp1-to-tp2r1", "tp1-to-tp4r2"]
 CASES = [  # (source TP, target): TP2 -> TP1 and TP1 -> TP2/TP4, sliced (row and column windows) and whole
     (2, TargetLayout(full_tensors=True)),
     (2, TargetLayout(tp_rank=0, tp_size=1, full_tensors=False)),
@@ -105,7 +115,7 @@ CASES = [  # (source TP, target): TP2 -> TP1 and TP1 -> TP2/TP4, sliced (row and
 ]
 
 
-@pytest.mark.parametrize(("tp", "target"), CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize(("tp", "target"), CASES, ids=CASE_IDS)
 def test_every_planned_byte_lies_in_a_verified_block(tp, target):
     spec = ModelSpec("cover", **SPEC)
     published = publish(spec, SourceLayout(tp=tp))
@@ -223,16 +233,16 @@ class _Failures:
         self.seen.append((model, version, error))
 
 
-class _Sources:
-    def __init__(self, address: str, model: str, tp: int) -> None:
+class _SourceProcess:
+    """One process publishing version 1 of a TP1 and a TP2 model (checksums on)."""
+
+    def __init__(self, address: str, models: dict[str, int]) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_checksum_source.run, args=(address, model, SPEC, tp, BLOCK, child),
-                                daemon=True)
+        self.proc = ctx.Process(target=_checksum_source.run, args=(address, models, SPEC, BLOCK, child), daemon=True)
         self.proc.start()
         self.ask(None, "ready")
-        self.layout, self.hf = self.ask(("layout", None), "layout")
-        self.index = {sid: sorted(views, key=lambda v: v[1]) for sid, views in self.layout.items()}
+        self.models = {model: _Sources(self, model) for model in models}
 
     def ask(self, message, reply, timeout=180):
         if message is not None:
@@ -244,6 +254,26 @@ class _Sources:
             raise RuntimeError(payload)
         assert kind == reply, (kind, payload)
         return payload
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop", None))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class _Sources:
+    """One model's sources in the source process."""
+
+    def __init__(self, process: _SourceProcess, model: str) -> None:
+        self.process, self.model = process, model
+        self.layout, self.hf = self.ask("layout", None, "layout")
+        self.index = {sid: sorted(views, key=lambda v: v[1]) for sid, views in self.layout.items()}
+        self.ask("publish", 1, "published")
+
+    def ask(self, cmd, arg, reply):
+        return self.process.ask((cmd, (self.model, arg)), reply)
 
     def tensor_at(self, sid: str, offset: int):
         """(name, block) of the published tensor holding blob byte ``offset``, or None (a gap)."""
@@ -263,12 +293,13 @@ class _Sources:
                            if lo < hi)
         return out
 
-    def close(self) -> None:
-        if self.proc.is_alive():
-            self.conn.send(("stop", None))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+@pytest.fixture(scope="module")
+def source_process(mx_catalog):
+    prefix = f"checksums-{uuid.uuid4().hex[:8]}"
+    process = _SourceProcess(mx_catalog, {f"{prefix}-tp1": 1, f"{prefix}-tp2": 2})
+    process.by_tp = {1: process.models[f"{prefix}-tp1"], 2: process.models[f"{prefix}-tp2"]}
+    yield process
+    process.close()
 
 
 def _receiver(address, model, target, failures):
@@ -290,16 +321,15 @@ def _same(engine, expected):
 
 
 @pytest.mark.slow
-def test_100_of_100_bit_flips_in_the_sources_memory_are_caught(mx_catalog, mx_model_name):
+def test_100_of_100_bit_flips_in_the_sources_memory_are_caught(mx_catalog, source_process):
     """TP1 source, whole-tensor receiver: every published byte is pulled, so every flip of a
     random bit of a random published tensor must be caught, naming tensor and source; nothing
     is loaded, the engine keeps the previous weights, mx_refit_refit_failed fires."""
-    sources = _Sources(mx_catalog, mx_model_name, tp=1)
+    sources = source_process.by_tp[1]
     failures = _Failures()
     target = TargetLayout(full_tensors=True)
-    rec, engine = _receiver(mx_catalog, mx_model_name, target, failures)
+    rec, engine = _receiver(mx_catalog, sources.model, target, failures)
     try:
-        sources.ask(("publish", 1), "published")
         first = rec.refit(1)
         expected = _expected(sources, target)
         assert _same(engine, expected) and first.stats.blocks_verified > 0
@@ -309,10 +339,10 @@ def test_100_of_100_bit_flips_in_the_sources_memory_are_caught(mx_catalog, mx_mo
             sid = rng.choice(sorted(sources.layout))
             name, offset, nbytes, _ = rng.choice(sources.layout[sid])
             where, bit = offset + rng.randrange(nbytes), rng.randrange(8)
-            sources.ask(("flip", (sid, where, bit)), "flipped")
+            sources.ask("flip", (sid, where, bit), "flipped")
             with pytest.raises(ChecksumMismatch) as info:
                 rec.refit(1)
-            sources.ask(("flip", (sid, where, bit)), "flipped")  # restore
+            sources.ask("flip", (sid, where, bit), "flipped")  # restore
             err = info.value
             assert (err.source_id, err.tensor) == (sid, name), (err, sid, name)
             assert err.block == (where - offset) // BLOCK and "nothing was loaded" in str(err)
@@ -324,7 +354,6 @@ def test_100_of_100_bit_flips_in_the_sources_memory_are_caught(mx_catalog, mx_mo
         assert caught == 100
     finally:
         rec.close()
-        sources.close()
 
 
 @pytest.mark.slow
@@ -333,14 +362,13 @@ def test_100_of_100_bit_flips_in_the_sources_memory_are_caught(mx_catalog, mx_mo
     (2, TargetLayout(tp_rank=1, tp_size=4, full_tensors=False)),
     (1, TargetLayout(tp_rank=1, tp_size=2, full_tensors=False)),
 ], ids=["tp2-to-tp1", "tp2-to-tp4r1", "tp1-to-tp2r1"])
-def test_resharding_receivers_catch_flips_in_what_they_pull_and_ignore_the_rest(mx_catalog, mx_model_name, tp, target):
+def test_resharding_receivers_catch_flips_in_what_they_pull_and_ignore_the_rest(mx_catalog, source_process, tp, target):
     """Real NIXL, real Megatron planner: a flip in a block the receiver pulls fails the refit
     (with nothing loaded); a flip anywhere else leaves a byte-exact refit."""
-    sources = _Sources(mx_catalog, mx_model_name, tp=tp)
+    sources = source_process.by_tp[tp]
     failures = _Failures()
-    rec, engine = _receiver(mx_catalog, mx_model_name, target, failures)
+    rec, engine = _receiver(mx_catalog, sources.model, target, failures)
     try:
-        sources.ask(("publish", 1), "published")
         first = rec.refit(1)
         expected = _expected(sources, target)
         assert _same(engine, expected)
@@ -352,7 +380,7 @@ def test_resharding_receivers_catch_flips_in_what_they_pull_and_ignore_the_rest(
             name, offset, nbytes, _ = rng.choice(sources.layout[sid])
             where, bit = offset + rng.randrange(nbytes), rng.randrange(8)
             hit = (sid, name, (where - offset) // BLOCK) in pulled
-            sources.ask(("flip", (sid, where, bit)), "flipped")
+            sources.ask("flip", (sid, where, bit), "flipped")
             try:
                 if hit:
                     with pytest.raises(ChecksumMismatch, match=f"tensor {name!r} from source {sid!r}"):
@@ -363,10 +391,9 @@ def test_resharding_receivers_catch_flips_in_what_they_pull_and_ignore_the_rest(
                     counts["ignored"] += 1
                 assert _same(engine, expected)  # either the untouched previous weights or a byte-exact refit
             finally:
-                sources.ask(("flip", (sid, where, bit)), "flipped")
+                sources.ask("flip", (sid, where, bit), "flipped")
         assert counts["caught"] > 0 and counts["caught"] + counts["ignored"] == 30
         assert len(failures.seen) == counts["caught"]
         assert first.stats.bytes_pulled >= first.stats.bytes_needed
     finally:
         rec.close()
-        sources.close()
