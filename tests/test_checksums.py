@@ -221,6 +221,24 @@ def test_off_by_default_publishes_no_checksums_and_verifies_nothing(mx_catalog, 
         assert all(torch.equal(dict(result.tensors)[n], t) for n, t in weights.items())
 
 
+def test_new_checksums_arrive_when_the_catalog_leaves_an_unchanged_layout_out(mx_catalog, mx_model_name):
+    """The sums change every version while the layout does not: they travel with every reply
+    (a verifying reader of version 2 would otherwise check version 1's sums and fail)."""
+    weights = {"w": torch.randn(3000, 7), "b": torch.randn(5).to(torch.bfloat16)}
+    with Publisher(mx_catalog, mx_model_name, checksums=True, checksum_block_bytes=BLOCK) as pub, \
+            Receiver(mx_catalog, mx_model_name, checksums=True) as rec:
+        pub.publish(1, model=weights)
+        assert rec.refit(1).stats.blocks_verified == 22  # 84,000 bytes in 21 blocks, and 1
+        pub.wait_drained(1)
+        weights["w"].mul_(-1)  # the optimizer step: same buffers, new bytes
+        pub.publish(2, model=weights)
+        omitted = rec.client.manifest_stats.sources_omitted
+        result = rec.refit(2)
+        assert rec.client.manifest_stats.sources_omitted == omitted + 1  # the layout was left out
+        assert result.stats.blocks_verified == 22
+        assert torch.equal(dict(result.tensors)["w"], weights["w"])
+
+
 # --- across processes: the sources' memory is flipped, the receiver must catch it -------------
 
 
