@@ -184,6 +184,7 @@ def _every_key_set(address: str) -> WeightSyncConfig:
         transfer_timeout_s=7.0, lease_ttl_s=9.0, source_ttl_s=6.0, drain_timeout_s=8.0, full_tensors=False,
         plugins=[], role_overrides=[RoleOverrideConfig(role="row", pattern="*.fc2.weight")],
         plugin_settings={"myplugin": {"knob": 1}}, transport="nixl", checksums=True, checksum_block_bytes=8192,
+        fanout="tree", max_readers_per_source=2,
     )
 
 
@@ -204,6 +205,8 @@ CONSUMED = {
     "transport": "Publisher/Receiver transport_mode (the routing transport's mode)",
     "checksums": "Publisher/Receiver.checksums",
     "checksum_block_bytes": "Publisher.checksum_block_bytes (the block size it publishes)",
+    "fanout": "Receiver.fanout (offers its arena as a replica, reads replicas)",
+    "max_readers_per_source": "Receiver.max_readers_per_source (sent with each lease)",
 }
 CATALOG_CONSUMED = {"mode", "address", "host", "port", "advertise_host", "token"}
 
@@ -223,6 +226,7 @@ def test_every_config_key_is_consumed(mx_catalog):
         assert pub.transport.mode == rec.transport.mode == "nixl"
         assert pub.checksums and rec.checksums and pub.checksum_block_bytes == 8192
         assert rec.target == TargetLayout(full_tensors=False)
+        assert (rec.fanout, rec.max_readers_per_source) == ("tree", 2)
         assert seen.settings[-1] == as_dict(cfg) and seen.settings[-1]["plugin_settings"] == {"myplugin": {"knob": 1}}
         overrides = hooks.role_overrides()  # the plugin's rule, then the config's
         assert overrides.lookup("a.fc2.weight", "Linear").role is Role.ROW
@@ -232,6 +236,7 @@ def test_every_config_key_is_consumed(mx_catalog):
         result = rec.refit(1)
         assert torch.equal(result.tensors[0][1], weight)  # through catalog.address
         assert result.stats.blocks_verified == 1
+        assert rec.replica.version == 1  # fanout: tree offered the arena as a replica
     finally:
         rec.close()
         pub.close()

@@ -12,7 +12,7 @@ Where each key takes effect:
 - ``model_name``, ``source_ttl_s``, ``drain_timeout_s``, ``checksums``, ``checksum_block_bytes``,
   ``plugins``, ``role_overrides``: ``Publisher.from_config``; ``model_name``,
   ``transfer_timeout_s``, ``lease_ttl_s``, ``full_tensors``, ``checksums``, ``plugins``,
-  ``role_overrides``: ``Receiver.from_config``. Both call
+  ``role_overrides``, ``fanout``, ``max_readers_per_source``: ``Receiver.from_config``. Both call
   ``Hooks.configure(as_dict(cfg))``, so plugins see the whole block (their namespace included).
 - ``catalog.*``: ``catalog_address(cfg)`` (standalone) and ``start_catalog(config=cfg)`` (embedded).
 """
@@ -79,6 +79,8 @@ class WeightSyncConfig:
     transport: str = "auto"  # auto | nixl | cuda_ipc (see README, "Data paths")
     checksums: bool = False  # end-to-end per-block checksums (see README, "End-to-end checksums")
     checksum_block_bytes: int = 1 << 20  # block size of those checksums (publishers)
+    fanout: str = "none"  # none | tree: receivers republish their arena as replicas (README, "Fan-out")
+    max_readers_per_source: int = 0  # > 0: concurrent readers one source serves at most
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
     role_overrides: list[RoleOverrideConfig] = field(default_factory=list)
     # weight_sync.<plugin>: {...} namespaces, untouched by mx-refit, for their plugins
@@ -112,6 +114,10 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
     from mx_refit.checksums import check_block_bytes
 
     check_block_bytes(cfg.checksum_block_bytes, "weight_sync.checksum_block_bytes")
+    if cfg.fanout not in ("none", "tree"):
+        raise InvalidArgument(f"weight_sync.fanout: {cfg.fanout!r} (expected 'none' or 'tree')")
+    if cfg.max_readers_per_source < 0:
+        raise InvalidArgument(f"weight_sync.max_readers_per_source: {cfg.max_readers_per_source} must be >= 0")
     roles = {r.value for r in Role}
     for i, rule in enumerate(cfg.role_overrides):
         if rule.role not in roles:

@@ -16,6 +16,7 @@ __all__ = [
     "LeaseLost",
     "MxRefitError",
     "NotFound",
+    "SourcesBusy",
     "TransferError",
     "Unauthenticated",
     "Unavailable",
@@ -36,6 +37,11 @@ class NotFound(MxRefitError, LookupError):
 
 class FailedPrecondition(MxRefitError):
     """The request is well formed but the state does not allow it (e.g. version not READY)."""
+
+
+class SourcesBusy(MxRefitError):
+    """A lease named sources that already serve their cap of concurrent readers (fan-out):
+    nothing was leased; discover again (new replicas may be ready) and choose again."""
 
 
 class Unauthenticated(MxRefitError):

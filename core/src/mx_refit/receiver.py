@@ -13,11 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit._backoff import Backoff
 from mx_refit._lease import LeaseGuard
-from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, TransferError
+from mx_refit.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    MxRefitError,
+    NotFound,
+    SourcesBusy,
+    TransferError,
+)
 from mx_refit.types import RefitStats, SourceInfo, TargetLayout, VersionInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from mx_refit._replica import ReplicaSource
 
     from mx_refit.catalog.api import Catalog
     from mx_refit.checksums import Verification
@@ -56,6 +65,13 @@ class Receiver:
     :param transport: The transport to pull with; ``None`` makes one for this receiver (closed
         with it). Pass :func:`mx_refit.shared_transport` to share the process's one agent
         between receivers of several models (and publishers).
+    :param fanout: ``"none"`` (read every byte from the trainer sources) or ``"tree"``: read from
+        the trainer sources and the ready replicas, spread by load, and after each complete
+        refit offer the arena as a replica of that version (withdrawn, waiting for its readers,
+        before the next refit writes the arena). With ``"tree"`` the returned tensors are
+        served to other readers until then: treat them as read-only.
+    :param max_readers_per_source: > 0: never read a source that already serves that many
+        readers (the catalog enforces it at lease time); wait for a replica instead.
     """
 
     def __init__(
@@ -75,6 +91,8 @@ class Receiver:
         load_batch_bytes: int = 512 << 20,
         transport_mode: str = "auto",
         checksums: bool = False,
+        fanout: str = "none",
+        max_readers_per_source: int = 0,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
@@ -90,6 +108,10 @@ class Receiver:
         if not isinstance(checksums, bool):
             raise InvalidArgument(f"checksums: must be a bool, got {checksums!r}")
         self.checksums = checksums  # verify every pulled byte against the sources' checksums
+        if fanout not in ("none", "tree"):
+            raise InvalidArgument(f"fanout: {fanout!r} (expected 'none' or 'tree')")
+        if isinstance(max_readers_per_source, bool) or not isinstance(max_readers_per_source, int) or max_readers_per_source < 0:
+            raise InvalidArgument(f"max_readers_per_source: must be an integer >= 0, got {max_readers_per_source!r}")
 
         self.model = model
         self.client: Catalog = as_catalog(catalog, token=token)
@@ -109,6 +131,16 @@ class Receiver:
         self._arena: "torch.Tensor | None" = None
         self._cached_plan: "tuple[int, ReceivePlan, dict[str, list[tuple[int, int, int]]]] | None" = None
         self._cached_widening: "tuple[Any, Verification] | None" = None
+        self.fanout = fanout
+        self.max_readers_per_source = max_readers_per_source
+        self.replica: ReplicaSource | None = None
+        if fanout == "tree":
+            from mx_refit._replica import ReplicaSource
+
+            self.replica = ReplicaSource(
+                self.client, self.transport, model, f"replica-{self.reader_id}",
+                ttl_s=lease_ttl_s, withdraw_timeout_s=lease_ttl_s + transfer_timeout_s,
+            )
 
     @classmethod
     def from_config(
@@ -141,6 +173,8 @@ class Receiver:
             "transfer_timeout_s": cfg.transfer_timeout_s,
             "transport_mode": cfg.transport,
             "checksums": cfg.checksums,
+            "fanout": cfg.fanout,
+            "max_readers_per_source": cfg.max_readers_per_source,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -215,14 +249,15 @@ class Receiver:
         planned = time.perf_counter()
         plan, requests = self._plan(info)
         widening = self._widen(info, plan, requests) if self.checksums else None
+        requests = widening.requests if widening else requests
+        trainer_requests = requests  # what the arena mirrors, in the trainer sources' addresses
         plan_seconds = time.perf_counter() - planned
         registrations_before = self.transport.registrations
 
         leasing = time.perf_counter()
-        acquired_at = time.monotonic()
-        lease_id = self.client.acquire_lease(
-            model=self.model, version=info.version, reader_id=self.reader_id, ttl_s=self.lease_ttl_s
-        )
+        if self.replica is not None:
+            self.replica.withdraw()  # nobody reads the arena any more before it is written
+        info, sources, requests, acquired_at, lease_id = self._lease(info, requests)
         leased = time.perf_counter()
         lease = LeaseGuard(
             self.client, lease_id, self.lease_ttl_s, acquired_at=acquired_at,
@@ -232,7 +267,7 @@ class Receiver:
         try:
             arena = self._arena_for(widening.arena_bytes if widening else plan.arena_bytes)
             started = time.perf_counter()
-            report = self._pull(info, widening.requests if widening else requests, arena, lease.check)
+            report = self._pull(sources, requests, arena, lease.check)
             seconds = time.perf_counter() - started
         except BaseException:
             lease.abandon()
@@ -243,6 +278,8 @@ class Receiver:
         stopping = time.perf_counter()
         lease.release(completed=True)
         released = time.perf_counter()
+        if self.replica is not None:  # complete and confirmed: offer it to the next readers
+            self.replica.offer(info.version, trainer_requests, arena)
 
         pulled = sum(report.nbytes.values())
         blocks = 0
@@ -277,6 +314,7 @@ class Receiver:
             handles_opened=report.handles_opened,
             blocks_verified=blocks,
             phase_seconds=phases,
+            replicas_read=len(sources.keys() - {s.source_id for s in info.sources}),
         )
         if notify:
             self.hooks.refit_done(stats)
@@ -341,15 +379,57 @@ class Receiver:
             sources = {s.source_id: s for s in info.sources}
             self._cached_widening = (key, widen(requests, sources, plan.arena_bytes))
         return self._cached_widening[1]
+    def _lease(
+        self, info: VersionInfo, requests: dict[str, list[tuple[int, int, int]]]
+    ) -> "tuple[VersionInfo, dict[str, SourceInfo], dict[str, list[tuple[int, int, int]]], float, str]":
+        """Choose where to read (fan-out: the least read holder of each trainer source's bytes
+        under the reader cap) and lease the version naming those sources. Without fan-out: the
+        trainer sources, and a lease naming none (as before fan-out existed).
+
+        Returns the version as last discovered, the chosen sources and their requests, the
+        local time the lease call was sent and the lease id."""
+        if self.fanout == "none" and not self.max_readers_per_source:
+            acquired_at = time.monotonic()
+            lease_id = self.client.acquire_lease(
+                model=self.model, version=info.version, reader_id=self.reader_id, ttl_s=self.lease_ttl_s
+            )
+            return info, {s.source_id: s for s in info.sources}, requests, acquired_at, lease_id
+        from mx_refit.fanout import choose_sources
+
+        # Every holder busy: wait for a replica to turn ready rather than queue on the trainer.
+        wait = Backoff(self.transfer_timeout_s, first_s=0.005, max_s=0.1)
+        while True:
+            choice = choose_sources(
+                info, requests, reader_id=self.reader_id, max_readers=self.max_readers_per_source,
+                exclude=() if self.fanout == "tree" else {r.source_id for r in info.replicas},
+            )
+            if choice is not None:
+                acquired_at = time.monotonic()
+                try:
+                    lease_id = self.client.acquire_lease(
+                        model=self.model, version=info.version, reader_id=self.reader_id,
+                        ttl_s=self.lease_ttl_s, sources=sorted(choice.sources),
+                        max_readers_per_source=self.max_readers_per_source,
+                    )
+                except SourcesBusy:
+                    pass  # another reader took the last slot first: look again
+                else:
+                    log.debug("%s v%d: reading %s (readers %s)", self.model, info.version, choice.via, info.readers)
+                    return info, choice.sources, choice.requests, acquired_at, lease_id
+            if not wait.sleep():
+                raise TransferError(
+                    f"model {self.model!r} version {info.version}: every holder of the needed bytes "
+                    f"still serves {self.max_readers_per_source} readers after {self.transfer_timeout_s:g}s"
+                )
+            info = self.client.get_version(model=self.model, version=info.version)
 
     def _pull(
         self,
-        info: VersionInfo,
+        sources: dict[str, SourceInfo],
         requests: dict[str, list[tuple[int, int, int]]],
         arena: "torch.Tensor",
         abort_check: "Callable[[], None]",
     ) -> "ReadReport":
-        sources = {s.source_id: s for s in info.sources}
         try:
             report = self.transport.read(
                 sources, requests, arena, timeout_s=self.transfer_timeout_s,
@@ -367,7 +447,14 @@ class Receiver:
 
     def close(self) -> None:
         """Release what this receiver made: its transport (from a given one only the arena is
-        deregistered) and the catalog client it dialled."""
+        deregistered) and the catalog client it dialled. A replica it offers is withdrawn first
+        (waiting, bounded, for its readers)."""
+        if self.replica is not None:
+            try:
+                self.replica.withdraw()
+            except MxRefitError as exc:  # closing anyway: its readers will see a transfer error
+                log.warning("closing receiver %s: %s", self.reader_id, exc)
+            self.replica.stop()
         if self._owns_transport:
             self.transport.close()
         elif self._arena is not None:

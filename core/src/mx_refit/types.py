@@ -20,6 +20,7 @@ __all__ = [
     "IpcRegion",
     "MemType",
     "MeshPosition",
+    "Mirror",
     "PublishedTensor",
     "ReadOp",
     "RefitStats",
@@ -154,6 +155,19 @@ class CudaIpcExport:
     regions: tuple[IpcRegion, ...]
 
 
+class Mirror(NamedTuple):
+    """What a replica source holds: the ``nbytes`` at ``source_addr`` of trainer source
+    ``source_id`` (same version) lie at ``addr`` in the replica's registered memory.
+
+    Exact and independent of any layout: a reader of any target layout substitutes the replica
+    for the trainer source on every read that falls inside mirrored bytes."""
+
+    source_id: str
+    source_addr: int
+    nbytes: int
+    addr: int
+
+
 @dataclass(frozen=True)
 class BlockChecksums:
     """End-to-end checksums of a source's tensors (``weight_sync.checksums``, see
@@ -202,6 +216,9 @@ class SourceInfo:
     cuda_ipc: CudaIpcExport | None = None
     incarnation: str = ""
     checksums: BlockChecksums | None = None
+    # A replica source (``weight_sync.fanout: tree``): the trainer sources' bytes it holds, and
+    # ``tensors`` is its one registered receive arena (a uint8 buffer). Empty for a trainer rank.
+    mirrors: tuple[Mirror, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -219,6 +236,11 @@ class VersionInfo:
     sources: tuple[SourceInfo, ...]
     sidecar: dict[str, Any] = field(default_factory=dict)
     sidecar_digest: str = field(default="", compare=False)
+    # Ready replica sources (fan-out): never counted in ``expected_sources``, no mesh position.
+    replicas: tuple[SourceInfo, ...] = field(default=(), compare=False)
+    # Live leases reading each source (trainer or replica), as of this reply: how a reader
+    # spreads over the holders under a per-source reader cap.
+    readers: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -285,6 +307,8 @@ class RefitStats:
     # Wall seconds per step of the cycle (discover, plan, lease, heartbeat_start, pull, release,
     # materialize, load): where a whole refit spends what its pull does not.
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # Fan-out: how many of the sources read from were replicas (0 without fan-out).
+    replicas_read: int = 0
 
     @property
     def gbps(self) -> float:

@@ -50,6 +50,8 @@ class SourceLife(Timed):
     source_id: str = ""
     incarnation: str = ""  # the process behind the id; a different one replaces it
     versions: set[tuple[str, int]] = field(default_factory=set)
+    # (model, version)s it serves as a replica: its death drops the replica, not the version
+    replica_of: set[tuple[str, int]] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -57,6 +59,13 @@ class LeaseRecord(Timed):
     lease_id: str = ""
     reader_id: str = ""
     record: VersionRecord | None = None
+    # The sources it reads from; empty: every trainer source (readers without fan-out).
+    sources: tuple[str, ...] = ()
+
+    def reads_trainer(self, rec: VersionRecord) -> bool:
+        """Whether this lease holds the trainer's buffers (a lease reading only replicas does not
+        hold up the trainer's drain)."""
+        return not self.sources or any(s in rec.sources for s in self.sources)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class Manifest:
     sources: tuple[SourceInfo, ...]
     sidecar_text: str
     sidecar_digest: str
+    replicas: tuple[SourceInfo, ...] = ()
+    readers: dict[str, int] = field(default_factory=dict)
 
     def version_info(self) -> VersionInfo:
         """The manifest as a :class:`VersionInfo` (its sidecar a fresh copy per call)."""
@@ -83,6 +94,8 @@ class Manifest:
             sources=self.sources,
             sidecar=json.loads(self.sidecar_text),
             sidecar_digest=self.sidecar_digest,
+            replicas=self.replicas,
+            readers=dict(self.readers),
         )
 
 
@@ -105,6 +118,26 @@ class VersionRecord:
     leases: dict[str, LeaseRecord] = field(default_factory=dict)
     expected_readers: int = 0  # 0: completed reads are not tracked
     completed_readers: set[str] = field(default_factory=set)  # reader ids, each counted once
+    # Fan-out: replica sources by id (offered once ready, until withdrawn), and the withdrawn
+    # ones (no new leases may name them; forgotten once no lease reads them).
+    replicas: dict[str, SourceInfo] = field(default_factory=dict)
+    withdrawn: set[str] = field(default_factory=set)
+
+    def offered_replicas(self) -> tuple[SourceInfo, ...]:
+        return tuple(
+            r for sid, r in sorted(self.replicas.items()) if r.ready and sid not in self.withdrawn
+        )
+
+    def reader_counts(self) -> dict[str, int]:
+        """Live leases reading each source (a lease naming no source reads every trainer one)."""
+        counts: dict[str, int] = {}
+        for lease in self.leases.values():
+            for sid in lease.sources or self.sources:
+                counts[sid] = counts.get(sid, 0) + 1
+        return counts
+
+    def trainer_leases(self) -> list[LeaseRecord]:
+        return [lease for lease in self.leases.values() if lease.reads_trainer(self)]
 
     @property
     def label(self) -> str:
@@ -130,6 +163,8 @@ class VersionRecord:
             sources=tuple(sorted(self.sources.values(), key=_mesh_order)),
             sidecar_text=self.sidecar_text,
             sidecar_digest=self.sidecar_digest,
+            replicas=self.offered_replicas() if self.replicas else (),
+            readers=self.reader_counts() if self.leases else {},
         )
 
 

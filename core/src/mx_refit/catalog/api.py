@@ -111,8 +111,22 @@ class Catalog(Protocol):
         reader_id: str,
         ttl_s: float = DEFAULT_TTL_S,
         lease_id: str | None = None,
+        sources: Sequence[str] = (),
+        max_readers_per_source: int = 0,
     ) -> str:
-        """Lease a READY version; return the lease id."""
+        """Lease a READY version; return the lease id. ``sources``: what the reader reads from
+        (empty: every trainer source); ``max_readers_per_source`` > 0: ``SourcesBusy`` when a
+        named source already serves that many readers."""
+        ...
+
+    def register_replica(
+        self, model: str, version: int, source: SourceInfo, ttl_s: float = DEFAULT_TTL_S
+    ) -> None:
+        """Offer a replica source (``source.mirrors``) of a READY version (fan-out)."""
+        ...
+
+    def withdraw_replica(self, model: str, version: int, source_id: str, timeout_s: float) -> bool:
+        """Stop offering a replica; wait (bounded) until no lease reads it; True once drained."""
         ...
 
     def release_lease(self, lease_id: str, completed: bool = False) -> None:

@@ -402,6 +402,8 @@ class CatalogClient:
         reader_id: str,
         ttl_s: float = DEFAULT_TTL_S,
         lease_id: str | None = None,
+        sources: Sequence[str] = (),
+        max_readers_per_source: int = 0,
     ) -> str:
         """See :meth:`CatalogService.acquire_lease`.
 
@@ -415,8 +417,40 @@ class CatalogClient:
             reader_id=reader_id,
             ttl_s=ttl_s,
             lease_id=uuid.uuid4().hex if lease_id is None else check_name(lease_id, "lease_id"),
+            max_readers_per_source=max_readers_per_source,
         )
+        if isinstance(sources, (str, bytes)):
+            raise InvalidArgument(f"sources: must be a sequence of source ids, got the string {sources!r}")
+        request.sources.extend(sources)
         return str(self._call("AcquireLease", request).lease_id)
+
+    def register_replica(
+        self, model: str, version: int, source: SourceInfo, ttl_s: float = DEFAULT_TTL_S
+    ) -> None:
+        """See :meth:`CatalogService.register_replica`."""
+        request = _request(pb.RegisterReplicaRequest, model=model, version=version, ttl_s=ttl_s)
+        convert.source_to_proto(source, request.source)
+        self._call("RegisterReplica", request)
+
+    def withdraw_replica(self, model: str, version: int, source_id: str, timeout_s: float) -> bool:
+        """See :meth:`CatalogService.withdraw_replica`; long waits go in slices, like
+        :meth:`wait_drained`."""
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not (math.isfinite(timeout_s) and timeout_s >= 0)
+        ):
+            raise InvalidArgument(f"timeout_s: must be a finite number of seconds >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait = min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S)
+            request = _request(
+                pb.WithdrawReplicaRequest, model=model, version=version, source_id=source_id, timeout_s=wait
+            )
+            if self._call("WithdrawReplica", request, timeout_s=wait + self.timeout_s).drained:
+                return True
+            if deadline - time.monotonic() <= 0:
+                return False
 
     def release_lease(self, lease_id: str, completed: bool = False) -> None:
         """See :meth:`CatalogService.release_lease`. A retry after a lost reply is a no-op on

@@ -32,6 +32,7 @@ from mx_refit.types import (
     IpcRegion,
     MemType,
     MeshPosition,
+    Mirror,
     Role,
     SourceInfo,
     TensorDescriptor,
@@ -236,6 +237,11 @@ def source_to_proto(
             msg.checksums.sums.extend(source.checksums.sums)
         except (TypeError, ValueError, AttributeError) as exc:
             raise InvalidArgument(f"source.checksums: cannot encode: {exc}") from None
+    for index, mirror in enumerate(source.mirrors):
+        try:
+            msg.mirrors.add(source_id=mirror[0], source_addr=mirror[1], nbytes=mirror[2], addr=mirror[3])
+        except (TypeError, ValueError, IndexError) as exc:
+            raise InvalidArgument(f"source.mirrors[{index}]: {mirror!r}: {exc}") from None
     if omit_tensors:
         msg.tensors_omitted = True
         return msg
@@ -293,6 +299,7 @@ def source_from_proto(
             BlockChecksums(msg.checksums.block_bytes, tuple(msg.checksums.sums))
             if msg.HasField("checksums") else None
         ),
+        mirrors=tuple(Mirror(m.source_id, m.source_addr, m.nbytes, m.addr) for m in msg.mirrors),
     )
 
 
@@ -334,6 +341,9 @@ def version_info_to_proto(info: VersionInfo) -> pb.VersionInfo:
     )
     for source in info.sources:
         source_to_proto(source, msg.sources.add())
+    for replica in info.replicas:
+        source_to_proto(replica, msg.replicas.add())
+    msg.readers.update(info.readers)
     return msg
 
 
@@ -361,6 +371,10 @@ def manifest_to_proto(
         digest = source.layout_digest
         omit = bool(digest) and known_layouts.get(source.source_id) == digest
         source_to_proto(source, msg.sources.add(), omit_tensors=omit)
+    for replica in manifest.replicas:  # small (one arena each) and short-lived: always whole
+        source_to_proto(replica, msg.replicas.add())
+    if manifest.readers:
+        msg.readers.update(manifest.readers)
     return msg
 
 
@@ -387,6 +401,8 @@ def version_info_from_proto(msg: pb.VersionInfo, known: Known | None = None) -> 
         ),
         sidecar=sidecar,
         sidecar_digest=digest,
+        replicas=tuple(source_from_proto(r, f"replicas[{i}]") for i, r in enumerate(msg.replicas)),
+        readers=dict(msg.readers),
     )
 
 

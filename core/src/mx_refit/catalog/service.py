@@ -52,6 +52,7 @@ from mx_refit.catalog._records import (
     index_tensors,
     republishable,
 )
+from mx_refit.catalog._replicas import ReplicaCatalog, check_lease_sources
 from mx_refit.catalog.api import DEFAULT_TTL_S, ReadProgress, VersionSummary
 from mx_refit.catalog.digests import Layout, stamp_layout
 from mx_refit.catalog.validation import (
@@ -85,7 +86,7 @@ class ReapReport:
     versions: tuple[tuple[str, int], ...] = ()  # (model, version) marked EXPIRED
 
 
-class CatalogService:
+class CatalogService(ReplicaCatalog):
     """Thread-safe catalog state machine (see the module docstring and docs/design.md).
 
     :param clock: monotonic seconds used for every TTL (inject a fake clock in tests); waits in
@@ -263,6 +264,10 @@ class CatalogService:
             now = self._reap_locked(self._clock())
             rec = self._record_locked(model, version)
             src = rec.sources.get(source_id)
+            replica = rec.replicas.get(source_id)
+            if src is None and replica is not None and source_id not in rec.withdrawn:
+                rec.replicas[source_id] = replace(replica, ready=True)  # offered from now on
+                return rec.state
             if src is None:
                 raise NotFound(
                     f"source_id: {source_id!r} is not registered for {rec.label} "
@@ -360,13 +365,13 @@ class CatalogService:
                 raise FailedPrecondition(
                     f"{rec.label} is {rec.state.value}; retire it before waiting for it to drain"
                 )
-            while rec.leases:
+            while holding := rec.trainer_leases():  # replica-only readers do not hold it up
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 # Wake at the next lease expiry too (exact with a real clock); releases and the
                 # reaper notify the condition.
-                next_expiry = min(lease.expires_at for lease in rec.leases.values())
+                next_expiry = min(lease.expires_at for lease in holding)
                 self._cond.wait(min(remaining, max(next_expiry - self._clock(), 0.001)))
                 self._reap_locked(self._clock())
             return True
@@ -457,12 +462,20 @@ class CatalogService:
         reader_id: str,
         ttl_s: float = DEFAULT_TTL_S,
         lease_id: str | None = None,
+        sources: Sequence[str] = (),
+        max_readers_per_source: int = 0,
     ) -> str:
         """Lease a READY version for ``reader_id``; return the lease id.
 
         While a lease is live the publisher's ``wait_drained`` blocks, so the source buffers stay
         intact. Renew it with :meth:`heartbeat` within ``ttl_s``. A caller-chosen ``lease_id``
         makes the call idempotent (a retry renews and returns the same lease).
+
+        Fan-out: ``sources`` names what the reader reads from (trainer sources and offered
+        replicas; empty: every trainer source). A lease naming only replicas does not hold up
+        the trainer's drain; a replica's withdrawal waits for the leases naming it.
+        ``max_readers_per_source`` > 0 refuses the lease (``SourcesBusy``, nothing leased) when
+        a named source already has that many live leases reading it.
         """
         reader_id = check_name(reader_id, "reader_id")
         ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
@@ -486,12 +499,14 @@ class CatalogService:
                 raise FailedPrecondition(
                     f"{rec.label} is {rec.state.value}; only READY versions can be leased"
                 )
+            names, _ = check_lease_sources(rec, sources, max_readers_per_source)
             lease = LeaseRecord(
                 ttl_s=ttl,
                 expires_at=now + ttl,
                 lease_id=lease_id or uuid.uuid4().hex,
                 reader_id=reader_id,
                 record=rec,
+                sources=names,
             )
             self._leases[lease.lease_id] = lease
             rec.leases[lease.lease_id] = lease
@@ -649,6 +664,7 @@ class CatalogService:
         life.dead = True
         del self._sources[life.source_id]
         self._layouts.pop(life.source_id, None)
+        self._expire_replica_locked(life, self._models)
         expired = []
         for model, version in sorted(life.versions):
             rec = self._models.get(model, {}).get(version)
@@ -675,7 +691,7 @@ class CatalogService:
 
     def _settle_locked(self, rec: VersionRecord) -> None:
         """DRAINING with no live lease is RETIRED; wake waiters; forget old versions."""
-        if rec.state is VersionState.DRAINING and not rec.leases:
+        if rec.state is VersionState.DRAINING and not rec.trainer_leases():
             rec.state = VersionState.RETIRED
         if rec.state in _TERMINAL:
             self._prune_locked(rec.model)
@@ -699,6 +715,8 @@ class CatalogService:
                 life = self._sources.get(source_id)
                 if life is not None:
                     life.versions.discard((model, version))
+            for source_id in list(rec.replicas):
+                self._drop_replica_locked(rec, source_id)
         if not versions:
             del self._models[model]
 

@@ -138,8 +138,36 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             request.reader_id,
             request.ttl_s,
             request.lease_id or None,
+            list(request.sources),
+            request.max_readers_per_source,
         )
         return pb.AcquireLeaseReply(lease_id=lease_id)
+
+    @_rpc
+    def RegisterReplica(
+        self, request: pb.RegisterReplicaRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterReplicaReply:
+        if not request.HasField("source"):
+            raise InvalidArgument("source: missing")
+        self.service.register_replica(
+            request.model, request.version, convert.source_from_proto(request.source), request.ttl_s
+        )
+        return pb.RegisterReplicaReply()
+
+    @_rpc
+    def WithdrawReplica(
+        self, request: pb.WithdrawReplicaRequest, context: grpc.ServicerContext
+    ) -> pb.WithdrawReplicaReply:
+        timeout = min(request.timeout_s, self._max_wait_slice_s)
+        if not timeout >= 0:  # NaN or negative: let the service reject it with its message
+            self.service.withdraw_replica(request.model, request.version, request.source_id, request.timeout_s)
+        deadline = time.monotonic() + timeout
+        while True:  # in steps, like WaitDrained
+            step = min(max(deadline - time.monotonic(), 0.0), _WAIT_STEP_S)
+            if self.service.withdraw_replica(request.model, request.version, request.source_id, step):
+                return pb.WithdrawReplicaReply(drained=True)
+            if time.monotonic() >= deadline or self._stopping.is_set() or not context.is_active():
+                return pb.WithdrawReplicaReply(drained=False)
 
     @_rpc
     def ReleaseLease(

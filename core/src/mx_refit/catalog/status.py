@@ -14,6 +14,7 @@ from mx_refit.errors import (
     InvalidArgument,
     MxRefitError,
     NotFound,
+    SourcesBusy,
     Unauthenticated,
 )
 
@@ -24,6 +25,7 @@ _CODES: tuple[tuple[type[MxRefitError], grpc.StatusCode], ...] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (SourcesBusy, grpc.StatusCode.ABORTED),
 )
 _ERRORS = {code: error for error, code in _CODES}
 

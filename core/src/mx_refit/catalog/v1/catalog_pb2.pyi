@@ -97,7 +97,7 @@ class TensorDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class SourceInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    MIRRORS_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
@@ -122,7 +123,8 @@ class SourceInfo(_message.Message):
     incarnation: str
     cuda_ipc: CudaIpcExport
     checksums: BlockChecksums
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ...) -> None: ...
+    mirrors: _containers.RepeatedCompositeFieldContainer[Mirror]
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ...) -> None: ...
 
 class BlockChecksums(_message.Message):
     __slots__ = ("block_bytes", "sums")
@@ -131,6 +133,18 @@ class BlockChecksums(_message.Message):
     block_bytes: int
     sums: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, block_bytes: _Optional[int] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Mirror(_message.Message):
+    __slots__ = ("source_id", "source_addr", "nbytes", "addr")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    source_addr: int
+    nbytes: int
+    addr: int
+    def __init__(self, source_id: _Optional[str] = ..., source_addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., addr: _Optional[int] = ...) -> None: ...
 
 class CudaIpcExport(_message.Message):
     __slots__ = ("boot_id", "host_name", "pid", "pid_namespace", "device_uuid", "regions")
@@ -169,7 +183,14 @@ class MemoryRegion(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "state", "expected_sources", "sources", "sidecar_json", "sidecar_digest", "sidecar_omitted")
+    __slots__ = ("model", "version", "state", "expected_sources", "sources", "sidecar_json", "sidecar_digest", "sidecar_omitted", "replicas", "readers")
+    class ReadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +199,8 @@ class VersionInfo(_message.Message):
     SIDECAR_JSON_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     state: VersionState
@@ -186,7 +209,9 @@ class VersionInfo(_message.Message):
     sidecar_json: str
     sidecar_digest: str
     sidecar_omitted: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ..., sidecar_digest: _Optional[str] = ..., sidecar_omitted: _Optional[bool] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[SourceInfo]
+    readers: _containers.ScalarMap[str, int]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ..., sidecar_digest: _Optional[str] = ..., sidecar_omitted: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., readers: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class VersionSummary(_message.Message):
     __slots__ = ("model", "version", "state", "expected_sources", "registered_sources", "ready_sources", "leases", "expected_readers", "completed_reads")
@@ -311,18 +336,22 @@ class ListVersionsReply(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionSummary, _Mapping]]] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("model", "version", "reader_id", "ttl_s", "lease_id")
+    __slots__ = ("model", "version", "reader_id", "ttl_s", "lease_id", "sources", "max_readers_per_source")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     READER_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_READERS_PER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     reader_id: str
     ttl_s: float
     lease_id: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., reader_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    max_readers_per_source: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., reader_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., max_readers_per_source: _Optional[int] = ...) -> None: ...
 
 class AcquireLeaseReply(_message.Message):
     __slots__ = ("lease_id",)
@@ -391,3 +420,37 @@ class WaitReadReply(_message.Message):
     expected_readers: int
     completed_readers: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, done: _Optional[bool] = ..., expected_readers: _Optional[int] = ..., completed_readers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterReplicaRequest(_message.Message):
+    __slots__ = ("model", "version", "source", "ttl_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    source: SourceInfo
+    ttl_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., source: _Optional[_Union[SourceInfo, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RegisterReplicaReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WithdrawReplicaRequest(_message.Message):
+    __slots__ = ("model", "version", "source_id", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    source_id: str
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., source_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WithdrawReplicaReply(_message.Message):
+    __slots__ = ("drained",)
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    def __init__(self, drained: _Optional[bool] = ...) -> None: ...

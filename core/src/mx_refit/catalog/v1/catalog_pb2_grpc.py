@@ -85,6 +85,16 @@ class CatalogServiceStub:
                 request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadRequest.SerializeToString,
                 response_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadReply.FromString,
                 _registered_method=True)
+        self.RegisterReplica = channel.unary_unary(
+                '/mx_refit.catalog.v1.CatalogService/RegisterReplica',
+                request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.RegisterReplicaRequest.SerializeToString,
+                response_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.RegisterReplicaReply.FromString,
+                _registered_method=True)
+        self.WithdrawReplica = channel.unary_unary(
+                '/mx_refit.catalog.v1.CatalogService/WithdrawReplica',
+                request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WithdrawReplicaRequest.SerializeToString,
+                response_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WithdrawReplicaReply.FromString,
+                _registered_method=True)
 
 
 class CatalogServiceServicer:
@@ -174,6 +184,24 @@ class CatalogServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterReplica(self, request, context):
+        """Registers a replica source of a READY version (fan-out): a receiver that holds an exact copy
+        of some of the trainer sources' bytes (SourceInfo.mirrors) in its registered receive arena.
+        Not counted in expected_sources, no mesh position; offered in GetVersion replies
+        (VersionInfo.replicas) once ready and until withdrawn. Re-sending it is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WithdrawReplica(self, request, context):
+        """Withdraws a replica (no new leases may name it) and waits (bounded) until no live lease
+        reads from it; on drained=true its owner may overwrite its arena. Call again to keep waiting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CatalogServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +254,16 @@ def add_CatalogServiceServicer_to_server(servicer, server):
                     servicer.WaitRead,
                     request_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadRequest.FromString,
                     response_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadReply.SerializeToString,
+            ),
+            'RegisterReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterReplica,
+                    request_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.RegisterReplicaRequest.FromString,
+                    response_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.RegisterReplicaReply.SerializeToString,
+            ),
+            'WithdrawReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.WithdrawReplica,
+                    request_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WithdrawReplicaRequest.FromString,
+                    response_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WithdrawReplicaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -499,6 +537,60 @@ class CatalogService:
             '/mx_refit.catalog.v1.CatalogService/WaitRead',
             mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadRequest.SerializeToString,
             mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WaitReadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mx_refit.catalog.v1.CatalogService/RegisterReplica',
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.RegisterReplicaRequest.SerializeToString,
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.RegisterReplicaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WithdrawReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mx_refit.catalog.v1.CatalogService/WithdrawReplica',
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WithdrawReplicaRequest.SerializeToString,
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.WithdrawReplicaReply.FromString,
             options,
             channel_credentials,
             insecure,
