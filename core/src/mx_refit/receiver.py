@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from mx_refit._replica import ReplicaSource
-
     from mx_refit.catalog.api import Catalog
     from mx_refit.checksums import Verification
     from mx_refit.config import WeightSyncConfig

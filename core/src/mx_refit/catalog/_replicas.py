@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -114,12 +114,12 @@ class ReplicaCatalog:
     _cond: threading.Condition
     _sources: dict[str, SourceLife]
     _deadlines: Deadlines
+    _clock: Callable[[], float]
     limits: CatalogLimits
 
-    # provided by CatalogService
-    def _reap_locked(self, now: float) -> float: ...  # pragma: no cover
-    def _record_locked(self, model: object, version: object) -> VersionRecord: ...  # pragma: no cover
-    _clock: object
+    if TYPE_CHECKING:  # provided by CatalogService
+        def _reap_locked(self, now: float) -> float: ...
+        def _record_locked(self, model: object, version: object) -> VersionRecord: ...
 
     def register_replica(
         self, model: str, version: int, source: SourceInfo, ttl_s: float = DEFAULT_TTL_S
@@ -136,7 +136,7 @@ class ReplicaCatalog:
         clean = validate_source(source, self.limits)
         ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
         with self._cond:
-            now = self._reap_locked(self._clock())  # type: ignore[operator]
+            now = self._reap_locked(self._clock())
             rec = self._record_locked(model, version)
             sid = clean.source_id
             if sid in rec.sources:
@@ -178,7 +178,7 @@ class ReplicaCatalog:
         timeout = check_seconds(timeout_s, "timeout_s", maximum=self.limits.max_wait_s, allow_zero=True)
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._reap_locked(self._clock())  # type: ignore[operator]
+            self._reap_locked(self._clock())
             try:
                 rec = self._record_locked(model, version)
             except LookupError:
@@ -191,8 +191,8 @@ class ReplicaCatalog:
                 if remaining <= 0:
                     return False
                 next_expiry = min(lease.expires_at for lease in rec.leases.values())
-                self._cond.wait(min(remaining, max(next_expiry - self._clock(), 0.001)))  # type: ignore[operator]
-                self._reap_locked(self._clock())  # type: ignore[operator]
+                self._cond.wait(min(remaining, max(next_expiry - self._clock(), 0.001)))
+                self._reap_locked(self._clock())
             self._drop_replica_locked(rec, source_id)
             return True
 
