@@ -31,7 +31,6 @@ covered bytes, and the checksum pass itself.
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

@@ -277,8 +277,6 @@ class Receiver:
         stopping = time.perf_counter()
         lease.release(completed=True)
         released = time.perf_counter()
-        if self.replica is not None:  # complete and confirmed: offer it to the next readers
-            self.replica.offer(info.version, trainer_requests, arena)
 
         pulled = sum(report.nbytes.values())
         blocks = 0
@@ -287,6 +285,8 @@ class Receiver:
 
             blocks = verify(arena, widening, {s.source_id: s for s in info.sources})
         verified = time.perf_counter()
+        if self.replica is not None:  # complete, confirmed (and verified): offer it to the next readers
+            self.replica.offer(info.version, trainer_requests, arena)
         tensors = list(plan.materialize(arena))
         materialized = time.perf_counter()
         if self.engine is not None:
