@@ -187,6 +187,11 @@ def test_coverage_gap(tp1, good, publish, mx_catalog: str, model_name: str, ckpt
             {"init_info": {"catalog": "h:1", "model": "m", "lease_ttl_s": -1}},
             "MxInitInfo.lease_ttl_s",
         ),
+        (
+            "init_weight_transfer_engine",
+            {"init_info": {"catalog": "h:1", "model": "m", "checksums": "yes"}},
+            "MxInitInfo.checksums",
+        ),
         ("update_weights", {"update_info": {"version": "3"}}, "MxUpdateInfo.version"),
         ("update_weights", {"update_info": {"versoin": 3}}, "versoin"),
         ("update_weights", {"update_info": {"version": 2, "min_version": 5}}, "MxUpdateInfo.min_version"),
@@ -200,3 +205,30 @@ def test_malformed_infos(tp1, good, mx_catalog: str, method: str, payload: dict,
         tp1.rpc(method, **payload)
     assert info.value.kind in ("ValueError", "InvalidArgument")
     _assert_failed_cleanly(tp1, info.value, fragment)
+
+
+def test_checksums_catch_a_flipped_bit_before_the_worker_loads(tp1, good, mx_catalog: str, ckpts: dict[int, Path]) -> None:
+    """``MxInitInfo.checksums``: a bit flipped in the trainer's memory after the publish fails the
+    update naming the tensor, and a version published without checksums is refused."""
+    import torch
+    from mx_refit.publisher import Publisher
+
+    tp1.rpc("init_weight_transfer_engine", init_info={"catalog": mx_catalog, "model": good, "checksums": True})
+    tp1.rpc("start_weight_update")
+    with pytest.raises(RemoteError) as info:
+        tp1.rpc("update_weights", update_info={"version": 2})
+    assert info.value.kind == "TransferError"
+    _assert_failed_cleanly(tp1, info.value, "published no checksums")
+
+    name = good + "-sums"
+    tensors = _full(ckpts[2])
+    with Publisher(mx_catalog, name, source_id=f"{name}/sums", checksums=True) as pub:
+        pub.publish(1, tensors)
+        flipped = tensors[len(tensors) // 2]
+        flipped.tensor.view(-1).view(torch.uint8)[11] ^= 1 << 6
+        tp1.rpc("init_weight_transfer_engine", init_info={"catalog": mx_catalog, "model": name, "checksums": True})
+        tp1.rpc("start_weight_update")
+        with pytest.raises(RemoteError) as info:
+            tp1.rpc("update_weights", update_info={"version": 1})
+        assert info.value.kind == "ChecksumMismatch"
+        _assert_failed_cleanly(tp1, info.value, repr(flipped.name), "nothing was loaded")

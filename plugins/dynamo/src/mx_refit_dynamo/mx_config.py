@@ -59,6 +59,7 @@ NATIVE_INIT = (
     "ready_timeout_s",
     "load_batch_bytes",
     "strict_names",
+    "checksums",
 )
 NATIVE_UPDATE = ("wait_s",)
 

@@ -301,6 +301,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             lease_ttl_s=init.lease_ttl_s,
             transfer_timeout_s=init.transfer_timeout_s,
             load_batch_bytes=init.load_batch_bytes,
+            checksums=init.checksums,
         )
         if self._catalog is None:
             self._catalog = receiver.client

@@ -71,6 +71,8 @@ class MxInitInfo(WeightTransferInitInfo):
     :param load_batch_bytes: Upper bound on the bytes handed to ``model.load_weights`` per call.
     :param strict_names: Refuse versions carrying tensors the model does not have (before any
         weight is touched). Turn off only for checkpoints with extra tensors vLLM ignores.
+    :param checksums: Verify every pulled byte against the trainers' end-to-end checksums before
+        loading (the trainers must publish with ``weight_sync.checksums: true``).
     """
 
     catalog: str
@@ -82,6 +84,7 @@ class MxInitInfo(WeightTransferInitInfo):
     ready_timeout_s: float = 0.0
     load_batch_bytes: int = 512 << 20
     strict_names: bool = True
+    checksums: bool = False
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -93,8 +96,9 @@ class MxInitInfo(WeightTransferInitInfo):
         _check_number(name, "transfer_timeout_s", self.transfer_timeout_s, minimum=0, strict=True)
         _check_number(name, "ready_timeout_s", self.ready_timeout_s, minimum=0)
         _check_number(name, "load_batch_bytes", self.load_batch_bytes, minimum=1, integer=True)
-        if not isinstance(self.strict_names, bool):
-            raise InvalidArgument(f"{name}.strict_names: expected a bool, got {self.strict_names!r}")
+        for flag in ("strict_names", "checksums"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidArgument(f"{name}.{flag}: expected a bool, got {getattr(self, flag)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-safe payload for ``init_weight_transfer_engine``."""
