@@ -219,3 +219,14 @@ def kill_and_wait(pid: int, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} still exists {timeout:.0f} s after SIGKILL")
         time.sleep(0.01)
+
+
+FAILOVER_WORKERS = HERE / "_failover_workers.py"
+
+
+def failover_worker(role: str, catalog: str, model: str, log_dir: Path, name: str, *extra: str) -> Proc:
+    """A long-lived ``_failover_workers.py`` process (``source``, ``reader``, ``soak-*``), ready."""
+    proc = Proc([sys.executable, str(FAILOVER_WORKERS), role, "--catalog", catalog, "--model", model, *extra],
+                name, log_dir)
+    proc.expect("ready", timeout=120)
+    return proc

@@ -2,7 +2,8 @@
 
 ``python _workers.py publisher --catalog ADDR --model M [--rank R --ranks N --ttl S]``
 ``python _workers.py reader --catalog ADDR --model M [--lease-ttl S] [--gate]``
-``python _workers.py zygote --catalog ADDR --model M`` (forks publisher processes on command)
+``python _workers.py zygote --catalog ADDR --model M`` (forks publisher processes on command;
+``{"cmd": "spawn", "fn": "module:function", ...}`` forks one running that function instead)
 
 Every reply is one JSON line on stdout. The tensors are int64 with a pattern that encodes
 (version, rank, tensor, element), so a reader can tell bytes of the leased version from bytes
@@ -84,10 +85,15 @@ def run_zygote(args: argparse.Namespace) -> None:
     lives (heart-beating) until the test kills it."""
     import signal
 
-    import mx_refit.publisher  # noqa: F401  (warm imports: torch, grpc, the catalog client)
+    import torch  # noqa: F401  (mx_refit imports it lazily: a child would pay seconds for it)
+
+    import mx_refit.publisher  # noqa: F401  (warm imports: grpc, the catalog client)
+    import mx_refit.receiver  # noqa: F401
+    from mx_refit.plugins import Hooks
     from mx_refit.transport.nixl_agent import load_nixl
 
     load_nixl()
+    Hooks().describe()  # plugin modules imported once, here
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
     emit({"event": "ready", "pid": os.getpid()})
     for cmd in commands():
@@ -100,7 +106,13 @@ def run_zygote(args: argparse.Namespace) -> None:
             continue
         try:  # the child
             sys.stdin.close()
-            child_publish(args.catalog, cmd)
+            if cmd.get("fn"):  # "module:function" beside this file, called as fn(catalog, cmd)
+                import importlib
+
+                module, _, name = cmd["fn"].partition(":")
+                getattr(importlib.import_module(module), name)(args.catalog, cmd)
+            else:
+                child_publish(args.catalog, cmd)
         except BaseException as exc:
             emit({"event": "child-error", "tag": cmd.get("tag"), "error": type(exc).__name__, "message": str(exc)})
         finally:

@@ -53,11 +53,28 @@ class Unavailable(MxRefitError, ConnectionError):
 
 
 class TransferError(MxRefitError):
-    """A NIXL transfer failed or timed out; the message names the source."""
+    """A NIXL transfer failed or timed out; the message names the source.
 
-    def __init__(self, message: str, *, source_id: str | None = None) -> None:
+    ``failed_sources``: every source whose read failed (``source_id`` is the first);
+    ``completed_sources``: sources of the same read whose batch was confirmed complete before
+    it failed (their bytes are in the arena). ``missing``: after a failover found no other
+    holder, the ``(tensor, byte range)`` pairs nobody alive holds.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source_id: str | None = None,
+        failed_sources: tuple[str, ...] = (),
+        completed_sources: frozenset[str] = frozenset(),
+        missing: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
-        self.source_id = source_id
+        self.failed_sources = tuple(failed_sources) or ((source_id,) if source_id is not None else ())
+        self.source_id = source_id if source_id is not None else (self.failed_sources or (None,))[0]
+        self.completed_sources = frozenset(completed_sources)
+        self.missing = tuple(missing)
 
 
 class ChecksumMismatch(TransferError):

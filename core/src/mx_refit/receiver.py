@@ -30,9 +30,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.api import Catalog
     from mx_refit.checksums import Verification
     from mx_refit.config import WeightSyncConfig
+    from mx_refit.failover import FailoverPull
     from mx_refit.plan import ReceivePlan
     from mx_refit.plugins import Hooks
-    from mx_refit.transport.base import ReadReport, Transport
+    from mx_refit.transport.base import Transport
     from mx_refit.transport.nixl import NixlTransport
 
 __all__ = ["Receiver", "RefitResult"]
@@ -214,7 +215,10 @@ class Receiver:
         the engine's previous weights untouched. A lease that was lost (its TTL ran out,
         heartbeats could not reach the catalog, the catalog restarted) raises
         :class:`~mx_refit.errors.LeaseLost` naming the lease and the cause; a renewal that
-        finds the lease gone aborts the pull at once.
+        finds the lease gone aborts the pull at once. A source that fails mid-pull (killed, its
+        NIXL agent disconnected, its reads timing out) has its ranges read from another source
+        holding the same bytes (``stats.failed_over``); when none does, the refit raises
+        :class:`~mx_refit.errors.TransferError` naming the source and the ranges.
 
         :param notify: fire ``mx_refit_refit_done`` at the end. Engines that load the returned
             tensors themselves pass ``False`` and call ``hooks.refit_done(result.stats)`` once
@@ -266,7 +270,8 @@ class Receiver:
         try:
             arena = self._arena_for(widening.arena_bytes if widening else plan.arena_bytes)
             started = time.perf_counter()
-            report = self._pull(sources, requests, arena, lease.check)
+            pulled_by = self._pull(info, sources, requests, arena, lease.check)
+            report = pulled_by.report
             seconds = time.perf_counter() - started
         except BaseException:
             lease.abandon()
@@ -314,6 +319,8 @@ class Receiver:
             blocks_verified=blocks,
             phase_seconds=phases,
             replicas_read=len(sources.keys() - {s.source_id for s in info.sources}),
+            failed_over=pulled_by.failed_over,
+            bytes_reread=pulled_by.bytes_reread,
         )
         if notify:
             self.hooks.refit_done(stats)
@@ -424,25 +431,27 @@ class Receiver:
 
     def _pull(
         self,
+        info: VersionInfo,
         sources: dict[str, SourceInfo],
         requests: dict[str, list[tuple[int, int, int]]],
         arena: "torch.Tensor",
         abort_check: "Callable[[], None]",
-    ) -> "ReadReport":
-        try:
-            report = self.transport.read(
-                sources, requests, arena, timeout_s=self.transfer_timeout_s,
-                abort_check=abort_check,  # a lost lease ends the pull at once
-            )
-        except TransferError as exc:
-            if exc.source_id is not None:  # most likely dead: free what we hold of it
-                self.transport.forget(exc.source_id)
-            raise
-        moved = sum(report.nbytes.values())
+    ) -> "FailoverPull":
+        """Every planned byte into ``arena`` from the chosen holders ``sources``; a holder that
+        fails mid-pull has its ranges read from another, or the pull fails naming it and the
+        ranges (``mx_refit.failover``)."""
+        from mx_refit.failover import pull_with_failover
+
+        pulled = pull_with_failover(
+            self.transport, info, sources, requests, arena, timeout_s=self.transfer_timeout_s,
+            abort_check=abort_check,  # a lost lease ends the pull at once
+            edges=_region_edges, label=f"refit of model {self.model!r} version {info.version}",
+        )
+        moved = sum(pulled.report.nbytes.values())
         expected = sum(n for ranges in requests.values() for _, _, n in ranges)
         if moved != expected:
             raise TransferError(f"pulled {moved} bytes but the plan needs {expected}")
-        return report
+        return pulled
 
     def close(self) -> None:
         """Release what this receiver made: its transport (from a given one only the arena is

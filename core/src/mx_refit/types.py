@@ -309,6 +309,10 @@ class RefitStats:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # Fan-out: how many of the sources read from were replicas (0 without fan-out).
     replicas_read: int = 0
+    # Sources that failed mid-pull and whose ranges were read from other holders instead, and
+    # the bytes read again for that (0 and () when nothing failed).
+    failed_over: tuple[str, ...] = ()
+    bytes_reread: int = 0
 
     @property
     def gbps(self) -> float:

@@ -288,7 +288,9 @@ class NixlTransport:
         so the transfers overlap. ``remote_mem``/``remote_dev`` may be per-peer mappings (each
         trainer rank's GPU). Retry and error semantics are per peer as in :meth:`read`; after all
         peers settle, any that failed raise one :class:`TransferError` naming all of them (its
-        ``source_id`` is the first). Everything is validated before anything is posted.
+        ``source_id`` is the first, ``failed_sources`` all of them, ``completed_sources`` the
+        peers whose request reached DONE: exactly the batches whose bytes are in place).
+        Everything is validated before anything is posted.
 
         ``merge=False`` posts ``ops`` as given: for callers that already coalesced them and cut
         them at the remote's registration boundaries, which this transport cannot see.
@@ -345,7 +347,8 @@ class NixlTransport:
                 for j in failed
             )
             raise TransferError(
-                f"agent {self._name}: READ failed from {names}", source_id=failed[0].peer_key
+                f"agent {self._name}: READ failed from {names}", source_id=failed[0].peer_key,
+                failed_sources=tuple(j.peer_key for j in failed), completed_sources=frozenset(results),
             )
         return results
 

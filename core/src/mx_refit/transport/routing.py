@@ -281,7 +281,8 @@ class RoutingTransport:
         """Read ``(remote addr, arena offset, n)`` ranges (coalesced and cut at the sources'
         region edges by the caller) from every source into ``arena``; CUDA IPC sources and NIXL
         sources are read in one call each. ``abort_check`` runs before, between NIXL polls and
-        after: whatever it raises (a lost lease) ends the read at once."""
+        after: whatever it raises (a lost lease) ends the read at once. A failed read raises
+        :class:`TransferError` whose ``completed_sources`` are the sources confirmed complete."""
         started = time.perf_counter()
         with self._lock:
             self._check_open()
@@ -298,17 +299,22 @@ class RoutingTransport:
             descriptors = opened = 0
             if abort_check is not None:
                 abort_check()
-            if by_path[CUDA_IPC]:
-                report = self.ipc().read(sources, by_path[CUDA_IPC], arena)
-                nbytes.update(report.nbytes)
-                paths.update(report.paths)
-                descriptors += report.descriptors
-                opened += report.handles_opened
-            if by_path[NIXL]:
-                moved, posted = self._read_nixl(sources, by_path[NIXL], arena, timeout_s, abort_check)
-                nbytes.update(moved)
-                paths.update({s: NIXL for s in moved})
-                descriptors += posted
+            try:
+                if by_path[CUDA_IPC]:
+                    report = self.ipc().read(sources, by_path[CUDA_IPC], arena)
+                    nbytes.update(report.nbytes)
+                    paths.update(report.paths)
+                    descriptors += report.descriptors
+                    opened += report.handles_opened
+                if by_path[NIXL]:
+                    moved, posted = self._read_nixl(sources, by_path[NIXL], arena, timeout_s, abort_check)
+                    nbytes.update(moved)
+                    paths.update({s: NIXL for s in moved})
+                    descriptors += posted
+            except TransferError as exc:
+                # Which batches are in place decides what a failover must read again.
+                exc.completed_sources = exc.completed_sources | frozenset(nbytes)
+                raise
             if abort_check is not None:
                 abort_check()
             self.descriptors_posted += descriptors
