@@ -207,7 +207,8 @@ def run_reader(args: argparse.Namespace) -> None:
     transport = _killing_transport(f"failover-reader-{os.getpid()}")
     engine: dict = {}
     rec = Receiver(args.catalog, args.model, engine=engine, hooks=hooks, transport=transport,
-                   lease_ttl_s=args.lease_ttl, transfer_timeout_s=args.transfer_timeout)
+                   lease_ttl_s=args.lease_ttl, transfer_timeout_s=args.transfer_timeout,
+                   fanout=args.fanout, max_readers_per_source=args.max_readers)
     emit({"event": "ready", "pid": os.getpid(), "reader_id": rec.reader_id})
     for cmd in commands():
         try:
@@ -221,7 +222,7 @@ def run_reader(args: argparse.Namespace) -> None:
                     wrong = [n for n, t in result.tensors if matching_version(t, n, [version]) is None]
                     reply = {"ok": True, "version": version, "wrong": wrong, "tensors": len(result.tensors),
                              "failed_over": list(result.stats.failed_over),
-                             "bytes_reread": result.stats.bytes_reread}
+                             "bytes_reread": result.stats.bytes_reread, "replicas_read": result.stats.replicas_read}
                 except Exception as exc:
                     reply = {"ok": False, "error": type(exc).__name__, "message": str(exc),
                              "failed_sources": list(getattr(exc, "failed_sources", ())),
@@ -242,6 +243,18 @@ def run_reader(args: argparse.Namespace) -> None:
                 return
         except Exception as exc:
             emit({"ok": False, "error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()})
+
+
+def replica(catalog: str, cmd: dict) -> None:
+    """Zygote child: a receiver with tree fan-out that pulls ``cmd["version"]`` and then offers
+    its arena as a replica source of it, alive (heart-beating) until killed."""
+    from mx_refit.receiver import Receiver
+
+    rec = Receiver(catalog, cmd["model"], fanout="tree", lease_ttl_s=10.0)
+    rec.refit(cmd["version"])
+    assert rec.replica is not None and rec.replica.version == cmd["version"], "the replica was not offered"
+    emit({"event": "published", "tag": cmd.get("tag"), "pid": os.getpid(), "source_id": rec.replica.source_id})
+    threading.Event().wait()
 
 
 def doomed_reader(catalog: str, cmd: dict) -> None:
@@ -368,6 +381,8 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=30.0)
     parser.add_argument("--lease-ttl", type=float, default=10.0)
     parser.add_argument("--transfer-timeout", type=float, default=10.0)
+    parser.add_argument("--fanout", default="none")
+    parser.add_argument("--max-readers", type=int, default=0)
     args = parser.parse_args()
     {"source": run_source, "reader": run_reader, "soak-trainer": run_soak_trainer,
      "soak-reader": run_soak_reader}[args.role](args)

@@ -50,6 +50,7 @@ class Proc:
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=HERE.parent.parent,
         )
         self.pid = self.proc.pid
+        self.ready: dict[str, Any] = {}  # the ready event, where a helper kept it
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -228,5 +229,5 @@ def failover_worker(role: str, catalog: str, model: str, log_dir: Path, name: st
     """A long-lived ``_failover_workers.py`` process (``source``, ``reader``, ``soak-*``), ready."""
     proc = Proc([sys.executable, str(FAILOVER_WORKERS), role, "--catalog", catalog, "--model", model, *extra],
                 name, log_dir)
-    proc.expect("ready", timeout=120)
+    proc.ready = proc.expect("ready", timeout=120)
     return proc

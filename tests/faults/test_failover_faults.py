@@ -112,6 +112,36 @@ def test_ranges_nobody_else_holds_abort_naming_the_source_and_keep_the_old_weigh
     assert after["outcome"] == "failover", after
 
 
+def test_a_replica_killed_mid_pull_is_failed_over_to_the_trainer_rank(rig, catalog_proc, catalog_client, log_dir) -> None:
+    """Tree fan-out: the reader reads a replica source (the trainer rank is at its reader cap),
+    the replica is SIGKILLed before its READ, and the reader reads its ranges from the rank."""
+    model = "failover-replica"
+    rank = failover_worker("source", catalog_proc.address, model, log_dir, "replica-rank0",
+                           "--rank", "0", "--ranks", "1", "--elems", str(ELEMS))
+    reader = failover_worker("reader", catalog_proc.address, model, log_dir, "replica-reader",
+                             "--fanout", "tree", "--max-readers", "1", "--transfer-timeout", "5")
+    mirror = None
+    try:
+        assert rank.call(cmd="publish", version=1) == {"state": "READY"}
+        mirror = spawn_source(rig.zygote, fn="_failover_workers:replica", model=model, version=1, tag="replica")
+        # Another reader holds the rank's one reader slot: this reader must choose the replica.
+        blocker = catalog_client.acquire_lease(model=model, version=1, reader_id="blocker", ttl_s=60,
+                                               sources=[rank.ready["source_id"]], max_readers_per_source=1)
+        try:
+            kill = {"pid": mirror["pid"], "source_id": mirror["source_id"], "point": "before-read"}
+            got = reader.call(cmd="refit", version=1, kill=kill, candidates=[1], timeout=120)
+        finally:
+            catalog_client.release_lease(lease_id=blocker)
+        assert got.get("ok") and got["wrong"] == [] and got["struck"], got
+        assert got["failed_over"] == [mirror["source_id"]] and got["replicas_read"] == 1, got
+        assert set(got["engine"].values()) == {1}, got
+    finally:
+        if mirror is not None:
+            kill_and_wait(mirror["pid"])
+        reader.kill()
+        rank.kill()
+
+
 @pytest.mark.slow
 def test_100_source_deaths_mid_pull_end_in_failover_or_a_clean_abort(rig) -> None:
     """100 deaths while the victim still owed bytes. A ``timer`` death can land after the
