@@ -102,7 +102,7 @@ def test_stats_split_the_whole_refit_into_its_steps(mx_catalog: str, mx_model_na
             pub.wait_drained(version, timeout_s=30)
         phases = stats.phase_seconds
         assert list(phases) == ["discover", "plan", "lease", "heartbeat_start", "pull", "release",
-                                "materialize", "load"]
+                                "verify", "materialize", "load"]
         assert all(v >= 0 for v in phases.values())
         assert phases["pull"] == stats.seconds and phases["plan"] == stats.plan_seconds
         assert sum(phases.values()) <= wall
