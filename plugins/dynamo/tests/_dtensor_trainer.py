@@ -10,14 +10,8 @@ Protocol: ``("send", (version, hf_dir))``; ``("stop", None)``.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import traceback
-from multiprocessing.connection import Client
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "vllm_engine" / "tests"))
+from mx_refit.testing.procs import open_child, rank_arguments, serve
 
 
 class DTensorRank:
@@ -61,7 +55,7 @@ class DTensorRank:
     def send(self, version: int, hf_dir: str) -> dict:
         import torch
 
-        from _checkpoints import load_version
+        from mx_refit.testing.checkpoints import load_version
 
         full = load_version(hf_dir)
         for name, param in self.module.named_parameters():
@@ -75,42 +69,26 @@ class DTensorRank:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
+    parser = rank_arguments()
     parser.add_argument("--catalog", required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--workers", required=True, help="comma-separated Dynamo system URLs")
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
-    host, port = args.listen.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
-    try:
-        rank = DTensorRank(
-            args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.workers.split(","), args.hf_dir
-        )
-    except BaseException:
-        conn.send(("err", ("StartupError", traceback.format_exc())))
+    opened = open_child(args.listen, lambda: DTensorRank(
+        args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.workers.split(","), args.hf_dir
+    ))
+    if opened is None:
         return
-    conn.send(("ok", {"pid": os.getpid()}))
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            import torch.distributed as dist
+    conn, rank = opened
 
-            rank.engine.shutdown()
-            dist.destroy_process_group()
-            conn.send(("ok", None))
-            break
-        try:
-            if cmd == "send":
-                conn.send(("ok", rank.send(*arg)))
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-        except BaseException as exc:
-            conn.send(("err", (type(exc).__name__, f"{exc}\n{traceback.format_exc()}")))
+    def stop() -> None:
+        import torch.distributed as dist
+
+        rank.engine.shutdown()
+        dist.destroy_process_group()
+
+    serve(conn, {"send": lambda arg: rank.send(*arg)}, on_stop=stop)
 
 
 if __name__ == "__main__":

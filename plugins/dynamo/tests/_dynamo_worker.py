@@ -24,7 +24,6 @@ import os
 import sys
 import threading
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Client
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,9 +31,9 @@ from types import SimpleNamespace
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator: vLLM's CPU platform
 HERE = Path(__file__).resolve().parent
 VLLM_TESTS = HERE.parent.parent / "vllm_engine" / "tests"
-sys.path[:0] = [str(HERE), str(VLLM_TESTS)]
 
-from _procs import Child, Group, free_port  # noqa: E402  (the vLLM plugin's test helpers)
+from mx_refit.testing.procs import Group, free_port, start_group  # noqa: E402
+from mx_refit.testing.procs import serve as serve_commands  # noqa: E402
 
 
 class ForwardingEngineClient:
@@ -106,50 +105,18 @@ async def serve(args, group: Group, conn) -> None:
 
     def control() -> None:  # the test's commands, on a thread; results computed on the loop
         conn.send(("ok", {"pid": os.getpid(), "system_url": runtime.system_status_server_url()}))
-        while True:
-            cmd, arg = conn.recv()
-            try:
-                if cmd == "stop":
-                    conn.send(("ok", None))
-                    break
-                if cmd == "describe":
-                    value = asyncio.run_coroutine_threadsafe(
-                        handler.rl_route_registry.dispatch({"method": "routes"}), loop
-                    ).result(60)
-                elif cmd == "calls":
-                    value = engine_client.take_calls()
-                elif cmd == "ranks":
-                    value = group.call(arg[0], arg[1], 600.0)
-                else:
-                    raise ValueError(f"unknown command {cmd!r}")
-                conn.send(("ok", value))
-            except BaseException as exc:
-                conn.send(("err", (type(exc).__name__, f"{exc}")))
+        serve_commands(conn, {
+            "describe": lambda _: asyncio.run_coroutine_threadsafe(
+                handler.rl_route_registry.dispatch({"method": "routes"}), loop
+            ).result(60),
+            "calls": lambda _: engine_client.take_calls(),
+            "ranks": lambda arg: group.call(arg[0], arg[1], 600.0),
+        })
         loop.call_soon_threadsafe(done.set)
 
     threading.Thread(target=control, daemon=True).start()
     await done.wait()
     runtime.shutdown()
-
-
-def start_ranks(prefix: str, script: str, per_rank: list[list[str]], log_dir: Path) -> Group:
-    """The vLLM ranks, started together, with a start-up budget for a loaded 2-core machine."""
-    with ThreadPoolExecutor(len(per_rank)) as pool:
-        futures = [
-            pool.submit(Child, f"{prefix}-{r}", sys.executable, script, args, log_dir, None, 1200.0)
-            for r, args in enumerate(per_rank)
-        ]
-    children, failures = [], []
-    for future in futures:
-        try:
-            children.append(future.result())
-        except Exception as exc:
-            failures.append(exc)
-    if failures:
-        for child in children:
-            child.kill()
-        raise failures[0]
-    return Group(children)
 
 
 def _import_dynamo() -> None:
@@ -181,7 +148,9 @@ def main() -> None:
             for r in range(args.tp)
         ]
         script = args.worker_script if (HERE / args.worker_script).exists() else str(VLLM_TESTS / args.worker_script)
-        group = start_ranks(f"{args.namespace}-vllm", str(HERE / script), per_rank, Path(args.log_dir))
+        # A start-up budget for vLLM ranks on a loaded 2-core machine.
+        group = start_group(f"{args.namespace}-vllm", sys.executable, HERE / script, per_rank, Path(args.log_dir),
+                            start_timeout_s=1200.0)
     except BaseException:
         conn.send(("err", ("StartupError", traceback.format_exc())))
         return

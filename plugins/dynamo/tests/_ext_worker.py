@@ -13,11 +13,7 @@ Same protocol as ``_vllm_worker.py``.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import traceback
-from multiprocessing.connection import Client
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -25,6 +21,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent.parent / "vllm_engine" / "tests")]
 
 import _vllm_worker  # noqa: E402
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
+
+from mx_refit.testing.procs import open_child, rank_arguments, serve  # noqa: E402
 
 
 class BareWorker(Worker):
@@ -69,42 +67,18 @@ class ExtendedWorkerProcess(_vllm_worker.WorkerProcess):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
+    parser = rank_arguments()
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--extension", required=True)
     parser.add_argument("--no-engine", action="store_true")
     args = parser.parse_args()
-    host, port = args.listen.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
-    try:
-        proc = ExtendedWorkerProcess(
-            args.rank, args.world, args.dist_port, args.hf_dir, args.extension, not args.no_engine
-        )
-    except BaseException:
-        conn.send(("err", ("StartupError", traceback.format_exc())))
+    opened = open_child(args.listen, lambda: ExtendedWorkerProcess(
+        args.rank, args.world, args.dist_port, args.hf_dir, args.extension, not args.no_engine
+    ), rank=args.rank)
+    if opened is None:
         return
-    conn.send(("ok", {"pid": os.getpid(), "rank": args.rank}))
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            conn.send(("ok", None))
-            break
-        try:
-            if cmd == "rpc":
-                value = proc.rpc(*arg)
-            elif cmd == "check":
-                value = proc.check(arg)
-            elif cmd == "stats":
-                value = proc.stats()
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send(("ok", value))
-        except BaseException as exc:
-            conn.send(("err", _vllm_worker._error(exc)))
+    conn, proc = opened
+    serve(conn, {"rpc": lambda arg: proc.rpc(*arg), "check": proc.check, "stats": lambda _: proc.stats()})
     proc.engine.shutdown()
 
 

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "vllm_engine" / "tests"))
 
 
 def main() -> None:
-    from _checkpoints import load_version
-
     from mx_refit import PublishedTensor, Publisher
+    from mx_refit.testing.checkpoints import load_version
 
     catalog, model, version, hf_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     tensors = load_version(hf_dir)

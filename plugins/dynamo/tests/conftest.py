@@ -19,12 +19,10 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-VLLM_TESTS = HERE.parent.parent / "vllm_engine" / "tests"
-sys.path[:0] = [str(HERE), str(VLLM_TESTS)]
+from mx_refit.testing.checkpoints import build_version
+from mx_refit.testing.procs import Child
 
-from _checkpoints import build_version  # noqa: E402
-from _procs import Child  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 NOT_RUN = (
     "python -m dynamo.vllm: Dynamo 1.6.1's dynamo.vllm.main does not import on vLLM 0.33 "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import HERE, DynamoWorkerProc
 
-from _procs import core_python, free_port, start_group, vllm_python
+from mx_refit.testing.procs import core_python, free_port, start_group, vllm_python
 from mx_refit_dynamo import DynamoRefitClient, DynamoRefitError
 
 pytestmark = pytest.mark.timeout(900)

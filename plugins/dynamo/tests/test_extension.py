@@ -35,7 +35,7 @@ def ext_workers(ckpts, log_dir) -> Iterator[dict[str, DynamoWorkerProc]]:
 @pytest.fixture(scope="module")
 def published(ckpts) -> Iterator[tuple[str, str]]:
     """Versions 1 and 2 of model 'ext-model', published whole from this process."""
-    from _checkpoints import load_version
+    from mx_refit.testing.checkpoints import load_version
 
     from mx_refit import PublishedTensor, Publisher
     from mx_refit import start_catalog

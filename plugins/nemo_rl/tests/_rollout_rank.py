@@ -15,12 +15,8 @@ received in sink mode (``("sink", True)``: the loading loop's batches are record
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import os
 import sys
-import traceback
-from multiprocessing.connection import Client
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -29,19 +25,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "nemo_rl_repro"))
 sys.path.insert(0, str(HERE))
 
-
-def digest(tensor) -> str:
-    import torch
-
-    t = tensor.detach().contiguous().cpu()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:24] + f"|{t.dtype}|{tuple(t.shape)}"
+from mx_refit.testing.checkpoints import tensor_digest as digest  # noqa: E402
+from mx_refit.testing.procs import open_child, rank_arguments, serve  # noqa: E402
 
 
 class RolloutProcess:
     def __init__(self, rank: int, world: int, dist_port: int, hf_dir: str) -> None:
         from types import SimpleNamespace
 
-        from _checkpoints import load_version
+        from mx_refit.testing.checkpoints import load_version
         from _nemo_rl_contract import VllmCheckpointEngineMixin
         from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -73,6 +65,17 @@ class RolloutProcess:
         self.worker.draft_weights = {}
         self.worker.model_runner = SimpleNamespace(model=self.model)
 
+    def finalize_engine(self) -> None:
+        engine = self.worker.checkpoint_engine
+        if engine is not None:
+            engine.finalize()
+
+    def reset_engine(self) -> None:
+        """A new NeMo RL job on the same vLLM model."""
+        self.finalize_engine()
+        self.worker.checkpoint_engine = None
+        self.worker.draft_weights = {}
+
     def set_sink(self, sink: bool) -> None:
         self.worker.model_runner.model = _Sink(self) if sink else self.model
 
@@ -84,7 +87,7 @@ class RolloutProcess:
 
     def check(self, hf_dir: str) -> dict:
         import torch
-        from _checkpoints import load_version
+        from mx_refit.testing.checkpoints import load_version
 
         with self._ctx(self.vllm_config):
             self.reference.load_weights(list(load_version(hf_dir).items()))
@@ -126,53 +129,23 @@ class _Sink:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
+    parser = rank_arguments()
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
-    host, port = args.listen.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
-    try:
-        proc = RolloutProcess(args.rank, args.world, args.dist_port, args.hf_dir)
-    except BaseException:
-        conn.send(("err", ("StartupError", traceback.format_exc())))
+    opened = open_child(
+        args.listen, lambda: RolloutProcess(args.rank, args.world, args.dist_port, args.hf_dir), rank=args.rank
+    )
+    if opened is None:
         return
-    conn.send(("ok", {"pid": os.getpid(), "rank": args.rank}))
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            engine = proc.worker.checkpoint_engine
-            if engine is not None:
-                engine.finalize()
-            conn.send(("ok", None))
-            break
-        try:
-            if cmd == "rpc":
-                value = proc.rpc(*arg)
-            elif cmd == "reset_engine":  # a new NeMo RL job on the same vLLM model
-                engine = proc.worker.checkpoint_engine
-                if engine is not None:
-                    engine.finalize()
-                proc.worker.checkpoint_engine = None
-                proc.worker.draft_weights = {}
-                value = None
-            elif cmd == "sink":
-                proc.set_sink(bool(arg))
-                value = None
-            elif cmd == "check":
-                value = proc.check(arg)
-            elif cmd == "digests":
-                value = dict(proc.received)
-            elif cmd == "stats":
-                value = proc.stats()
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send(("ok", value))
-        except BaseException as exc:
-            conn.send(("err", (type(exc).__name__, f"{exc}\n{traceback.format_exc()}")))
+    conn, proc = opened
+    serve(conn, {
+        "rpc": lambda arg: proc.rpc(*arg),
+        "reset_engine": lambda _: proc.reset_engine(),
+        "sink": lambda arg: proc.set_sink(bool(arg)),
+        "check": proc.check,
+        "digests": lambda _: dict(proc.received),
+        "stats": lambda _: proc.stats(),
+    }, on_stop=proc.finalize_engine)
 
 
 if __name__ == "__main__":

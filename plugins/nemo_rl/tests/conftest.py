@@ -22,8 +22,8 @@ PLUGIN = HERE.parent
 sys.path.insert(0, str(HERE / "nemo_rl_repro"))  # `nemo_rl.utils.checkpoint_engines.base`, reproduced
 
 import _nemo_rl_contract as nrl  # noqa: E402
-from _checkpoints import build_version  # noqa: E402
-from _procs import Group, core_python, free_port, start_group, vllm_python  # noqa: E402
+from mx_refit.testing.checkpoints import build_version  # noqa: E402
+from mx_refit.testing.procs import Group, core_python, free_port, start_group, vllm_python  # noqa: E402
 
 NOT_RUN = [
     "NeMo RL itself (not installable here: PyPI's nemo-rl is a 0.0.0 placeholder, the real one needs "
@@ -66,9 +66,9 @@ def groups(ckpts: dict[int, Path], log_dir: Path) -> Iterator[dict[str, Group]]:
     hf = ["--hf-dir", str(ckpts[0])]
     with ThreadPoolExecutor(3) as pool:
         futures = {
-            "policy": pool.submit(start_group, "policy-tp2", core, "_policy_rank.py", ranks(2, hf), log_dir),
-            "tp1": pool.submit(start_group, "vllm-tp1", vllm, "_rollout_rank.py", ranks(1, hf), log_dir),
-            "tp2": pool.submit(start_group, "vllm-tp2", vllm, "_rollout_rank.py", ranks(2, hf), log_dir),
+            "policy": pool.submit(start_group, "policy-tp2", core, HERE / "_policy_rank.py", ranks(2, hf), log_dir),
+            "tp1": pool.submit(start_group, "vllm-tp1", vllm, HERE / "_rollout_rank.py", ranks(1, hf), log_dir),
+            "tp2": pool.submit(start_group, "vllm-tp2", vllm, HERE / "_rollout_rank.py", ranks(2, hf), log_dir),
         }
         started: dict[str, Group] = {}
         failure: BaseException | None = None

@@ -12,64 +12,56 @@ Protocol: ``("publish", (version, hf_dir))``; ``("drain", version)``; ``("stop",
 from __future__ import annotations
 
 import argparse
-import os
-import traceback
-from multiprocessing.connection import Client
+
+from mx_refit.testing.procs import open_child, rank_arguments, serve
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
-    parser.add_argument("--catalog", required=True)
-    parser.add_argument("--model-name", required=True)
-    args = parser.parse_args()
-    host, port = args.listen.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
-    try:
-        from mx_refit.megatron.collect import collect_for_publish
+class MegatronTrainer:
+    """A TP rank's process group and Publisher; every published model stays alive until drained."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
         from mx_refit.megatron.parallel import mesh_position
-        from mx_refit.verify.harness import build_model_from_hf, init_distributed, init_model_parallel
         from mx_refit.publisher import Publisher
+        from mx_refit.verify.harness import init_distributed, init_model_parallel
 
         init_distributed(args.rank, args.world, master_port=args.dist_port)
         init_model_parallel(tp=args.world)
-        publisher = Publisher(
+        self.tp = args.world
+        self.publisher = Publisher(
             args.catalog, args.model_name, mesh=mesh_position(), expected_sources=args.world
         )
-    except BaseException:
-        conn.send(("err", ("StartupError", traceback.format_exc())))
-        return
-    conn.send(("ok", {"pid": os.getpid()}))
-    keep = []  # published models stay alive until drained
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            from mx_refit.verify.harness import destroy_distributed
+        self.keep: list[object] = []
 
-            publisher.close()
-            destroy_distributed()
-            conn.send(("ok", None))
-            break
-        try:
-            if cmd == "publish":
-                version, hf_dir = arg
-                bridged = build_model_from_hf(hf_dir, tp=args.world)
-                tensors, sidecar = collect_for_publish(
-                    bridged.bridge, bridged.model, hf_config=bridged.hf_config
-                )
-                keep.append(bridged)
-                state = publisher.publish(version, tensors, sidecar=sidecar)
-                conn.send(("ok", {"state": state.value, "tensors": len(tensors)}))
-            elif cmd == "drain":
-                publisher.wait_drained(arg, timeout_s=60)
-                conn.send(("ok", None))
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-        except BaseException as exc:
-            conn.send(("err", (type(exc).__name__, f"{exc}\n{traceback.format_exc()}")))
+    def publish(self, version: int, hf_dir: str) -> dict:
+        from mx_refit.megatron.collect import collect_for_publish
+        from mx_refit.verify.harness import build_model_from_hf
+
+        bridged = build_model_from_hf(hf_dir, tp=self.tp)
+        tensors, sidecar = collect_for_publish(bridged.bridge, bridged.model, hf_config=bridged.hf_config)
+        self.keep.append(bridged)
+        state = self.publisher.publish(version, tensors, sidecar=sidecar)
+        return {"state": state.value, "tensors": len(tensors)}
+
+    def drain(self, version: int) -> None:
+        self.publisher.wait_drained(version, timeout_s=60)
+
+    def stop(self) -> None:
+        from mx_refit.verify.harness import destroy_distributed
+
+        self.publisher.close()
+        destroy_distributed()
+
+
+def main() -> None:
+    parser = rank_arguments()
+    parser.add_argument("--catalog", required=True)
+    parser.add_argument("--model-name", required=True)
+    args = parser.parse_args()
+    opened = open_child(args.listen, lambda: MegatronTrainer(args))
+    if opened is None:
+        return
+    conn, trainer = opened
+    serve(conn, {"publish": lambda arg: trainer.publish(*arg), "drain": trainer.drain}, on_stop=trainer.stop)
 
 
 if __name__ == "__main__":

@@ -7,22 +7,13 @@ device mesh of all trainer ranks: matrices ``Shard(0)`` (uneven: vocab 131 over 
 client is vLLM's ``HTTPVLLMWeightSyncClient`` talking to the test's relay of vLLM's RL routes.
 
 Protocol: ``("send", (version, hf_dir))`` copies version ``hf_dir``'s weights into the local
-shards in place, then ``send_weights(version)``; ``("stats", None)``; ``("stop", None)``.
+shards in place, then ``send_weights(version)``; ``("stop", None)``.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import traceback
-from multiprocessing.connection import Client
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def _error(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+from mx_refit.testing.procs import open_child, rank_arguments, serve
 
 
 class TrainerRank:
@@ -80,7 +71,7 @@ class TrainerRank:
         """Write version ``hf_dir`` into this rank's shards in place (as an optimizer would), then send."""
         import torch
 
-        from _checkpoints import load_version
+        from mx_refit.testing.checkpoints import load_version
 
         full = load_version(hf_dir)
         pointers = {}
@@ -97,42 +88,26 @@ class TrainerRank:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
+    parser = rank_arguments()
     parser.add_argument("--catalog", required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--relay", required=True)
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
-    host, port = args.listen.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
-    try:
-        rank = TrainerRank(
-            args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.relay, args.hf_dir
-        )
-    except BaseException as exc:
-        conn.send(("err", _error(exc)))
+    opened = open_child(args.listen, lambda: TrainerRank(
+        args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.relay, args.hf_dir
+    ))
+    if opened is None:
         return
-    conn.send(("ok", {"pid": os.getpid()}))
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            import torch.distributed as dist
+    conn, rank = opened
 
-            rank.engine.shutdown()
-            dist.destroy_process_group()
-            conn.send(("ok", None))
-            break
-        try:
-            if cmd == "send":
-                conn.send(("ok", rank.send(*arg)))
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-        except BaseException as exc:
-            conn.send(("err", _error(exc)))
+    def stop() -> None:
+        import torch.distributed as dist
+
+        rank.engine.shutdown()
+        dist.destroy_process_group()
+
+    serve(conn, {"send": lambda arg: rank.send(*arg)}, on_stop=stop)
 
 
 if __name__ == "__main__":

@@ -17,24 +17,12 @@ Protocol (multiprocessing.connection, pickle): ``("rpc", method, kwargs)`` (Work
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import traceback
-from multiprocessing.connection import Client
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator: vLLM's CPU code paths
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def _error(exc: BaseException) -> tuple[str, str]:
-    parts = [f"{type(exc).__name__}: {exc}"]
-    cause = exc.__cause__
-    while cause is not None:
-        parts.append(f"caused by {type(cause).__name__}: {cause}")
-        cause = cause.__cause__
-    return type(exc).__name__, " | ".join(parts)
+from mx_refit.testing.procs import open_child, rank_arguments, serve  # noqa: E402  (after the platform is chosen)
 
 
 class WorkerProcess:
@@ -49,7 +37,7 @@ class WorkerProcess:
         from vllm.v1.worker.gpu_worker import Worker
         from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
-        from _checkpoints import load_version
+        from mx_refit.testing.checkpoints import load_version
 
         load_general_plugins()  # vLLM does this in every worker before load_model
         self.vllm_config = VllmConfig(
@@ -99,7 +87,7 @@ class WorkerProcess:
         every parameter of the live model with it, byte for byte."""
         import torch
 
-        from _checkpoints import load_version
+        from mx_refit.testing.checkpoints import load_version
 
         with self._ctx(self.vllm_config):
             self.reference.load_weights(list(load_version(hf_dir).items()))
@@ -141,41 +129,21 @@ class WorkerProcess:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
+    parser = rank_arguments()
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
-    host, port = args.listen.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
-    try:
-        proc = WorkerProcess(args.rank, args.world, args.dist_port, args.hf_dir)
-    except BaseException:
-        conn.send(("err", ("StartupError", traceback.format_exc())))
+    opened = open_child(
+        args.listen, lambda: WorkerProcess(args.rank, args.world, args.dist_port, args.hf_dir), rank=args.rank
+    )
+    if opened is None:
         return
-    conn.send(("ok", {"pid": os.getpid(), "rank": args.rank}))
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "stop":
-            conn.send(("ok", None))
-            break
-        try:
-            if cmd == "rpc":
-                value = proc.rpc(*arg)
-            elif cmd == "engine":  # the engine's own methods, bypassing vLLM's Worker
-                method, kwargs = arg
-                value = getattr(proc.engine, method)(**kwargs)
-            elif cmd == "check":
-                value = proc.check(arg)
-            elif cmd == "stats":
-                value = proc.stats()
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send(("ok", value))
-        except BaseException as exc:  # report, keep serving: the tests probe failure paths
-            conn.send(("err", _error(exc)))
+    conn, proc = opened
+    serve(conn, {
+        "rpc": lambda arg: proc.rpc(*arg),
+        "engine": lambda arg: getattr(proc.engine, arg[0])(**arg[1]),  # bypassing vLLM's Worker
+        "check": proc.check,
+        "stats": lambda _: proc.stats(),
+    })
     proc.engine.shutdown()
 
 

@@ -15,8 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from _checkpoints import build_version
-from _procs import Group, Relay, free_port, start_group, vllm_python
+from _relay import Relay
+
+from mx_refit.testing.checkpoints import build_version
+from mx_refit.testing.procs import Group, free_port, start_group, vllm_python
+
+HERE = Path(__file__).resolve().parent
 
 
 class Workers:
@@ -73,7 +77,7 @@ def worker_groups(ckpts: dict[int, Path], log_dir: Path) -> Iterator[dict[int, W
             ["--rank", str(r), "--world", str(tp), "--dist-port", str(port), "--hf-dir", str(ckpts[0])]
             for r in range(tp)
         ]
-        return start_group(f"vllm-tp{tp}", vllm_python(), "_vllm_worker.py", args, log_dir)
+        return start_group(f"vllm-tp{tp}", vllm_python(), HERE / "_vllm_worker.py", args, log_dir)
 
     with ThreadPoolExecutor(2) as pool:
         futures = {tp: pool.submit(start, tp) for tp in (1, 2)}

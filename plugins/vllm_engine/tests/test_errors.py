@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from _checkpoints import load_version
-from _procs import RemoteError, free_port
+from mx_refit.testing.checkpoints import load_version
+from mx_refit.testing.procs import RemoteError, free_port
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _procs import core_python, free_port, start_group
+from mx_refit.testing.procs import core_python, free_port, start_group
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def megatron(mx_catalog: str, ckpts: dict[int, Path], log_dir: Path):
         ]
         for r in range(2)
     ]
-    group = start_group("megatron", python, "_megatron_trainer.py", args, log_dir)
+    group = start_group("megatron", python, Path(__file__).parent / "_megatron_trainer.py", args, log_dir)
     published = group.call("publish", (3, str(ckpts[3])), timeout_s=600)
     assert {p["state"] for p in published} <= {"PENDING", "READY"} and published[-1]["tensors"] > 0
     yield name, group

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from _procs import Relay, free_port, start_group, vllm_python
+from _relay import Relay
+
+from mx_refit.testing.procs import free_port, start_group, vllm_python
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def trainers(mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[in
         ]
         for r in range(2)
     ]
-    group = start_group("torch-trainer", vllm_python(), "_torch_trainer.py", args, log_dir)
+    group = start_group("torch-trainer", vllm_python(), Path(__file__).parent / "_torch_trainer.py", args, log_dir)
     yield group
     group.stop()
     relay.group = None

@@ -4,6 +4,12 @@
 - ``mx_hooks``: a fresh :class:`~mx_refit.plugins.Hooks` with the built-in plugins and the
   installed entry points loaded; register inline plugins on it in a test.
 - ``mx_model_name``: a model name unique to the test, so tests sharing a catalog never collide.
+
+Helpers for tests that drive real processes (imported explicitly, never loaded by the plugin):
+
+- :mod:`mx_refit.testing.procs`: child processes commanded over authenticated local sockets
+  (trainer ranks, inference workers), both ends of the protocol, and the cached venvs' interpreters.
+- :mod:`mx_refit.testing.checkpoints`: tiny seeded HF Qwen2 checkpoints, one directory a version.
 """
 
 from __future__ import annotations

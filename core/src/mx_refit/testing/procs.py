@@ -1,31 +1,55 @@
-"""Child processes the tests drive over authenticated local sockets (the same harness as
-plugins/vllm_engine/tests/_procs.py, without its HTTP relay).
+"""Child processes a test drives over authenticated local sockets: trainer ranks, inference
+workers, whole engines. Both ends of the protocol live here, for the core's and every plugin's tests.
 
-Each child runs one script under a given interpreter: policy ranks in the core venv (megatron-core,
-Megatron-Bridge), rollout ranks in the vLLM venv.
+Each child runs one script under a given interpreter, so a Megatron rank can run in the core venv
+while vLLM workers run in the vLLM venv (their transformers pins conflict). The parent listens on
+127.0.0.1 with a random authkey (``MX_TEST_AUTHKEY``) and starts ``python SCRIPT --listen
+HOST:PORT ARGS...``; the child connects, builds what it serves and answers ``("ok", hello)`` or
+``("err", ("StartupError", traceback))``. Every command ``(cmd, arg)`` then gets ``("ok", value)``
+or ``("err", (kind, message))``; ``stop`` ends the child after its reply.
+
+Parent: :class:`Child`, :class:`Group`, :func:`start_group`, :func:`core_python`,
+:func:`vllm_python`. Child: :func:`rank_arguments`, :func:`open_child`, :func:`serve`,
+:func:`describe_error`.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import secrets
-import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from mx_refit.verify.harness import free_port
 
+__all__ = [
+    "TIMEOUT_SCALE",
+    "Child",
+    "Group",
+    "RemoteError",
+    "core_python",
+    "describe_error",
+    "free_port",
+    "open_child",
+    "rank_arguments",
+    "serve",
+    "start_group",
+    "vllm_python",
+]
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# A shared, overloaded machine starts vLLM workers slowly: MX_TEST_TIMEOUT_SCALE=3 triples every
+# wait on a child (CI runs with 1).
+TIMEOUT_SCALE = float(os.environ.get("MX_TEST_TIMEOUT_SCALE", "1"))
 
 
 class RemoteError(RuntimeError):
@@ -38,32 +62,34 @@ class RemoteError(RuntimeError):
 
 
 class Child:
-    """One child process and its command connection."""
+    """One child process running ``script`` (its folder is the working directory) and its
+    command connection; its output goes to ``log_dir/NAME.log``."""
 
     def __init__(
         self,
         name: str,
         python: str,
-        script: str,
+        script: str | Path,
         args: Sequence[str],
         log_dir: Path,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
         start_timeout_s: float = 300.0,
     ) -> None:
+        start_timeout_s *= TIMEOUT_SCALE
+        script = Path(script).resolve()
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = listener.address
-        address = f"{host}:{port}"
         child_env = {**os.environ, **(env or {}), "MX_TEST_AUTHKEY": authkey.hex(), "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [python, str(HERE / script), "--listen", address, *args],
+            [python, str(script), "--listen", f"{host}:{port}", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=child_env,
-            cwd=str(HERE),
+            cwd=str(script.parent),
         )
         accepted: list[Connection] = []
         thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
@@ -89,6 +115,9 @@ class Child:
         self.conn.send((cmd, arg))
 
     def recv(self, timeout_s: float = 300.0) -> Any:
+        """The child's next answer; raises when it dies, stays silent past ``timeout_s`` (scaled),
+        or answers with an error (:class:`RemoteError`)."""
+        timeout_s *= TIMEOUT_SCALE
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.2):
             if self.proc.poll() is not None:
@@ -182,15 +211,17 @@ class Group:
 def start_group(
     prefix: str,
     python: str,
-    script: str,
+    script: str | Path,
     per_rank_args: list[list[str]],
     log_dir: Path,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    start_timeout_s: float = 300.0,
 ) -> Group:
-    """Start one child per rank concurrently (their startups overlap)."""
+    """Start one child per rank concurrently (their startups overlap); if any fails, the others
+    are killed and its error raised."""
     with ThreadPoolExecutor(len(per_rank_args)) as pool:
         futures = [
-            pool.submit(Child, f"{prefix}-{rank}", python, script, args, log_dir, env)
+            pool.submit(Child, f"{prefix}-{rank}", python, script, args, log_dir, env, start_timeout_s)
             for rank, args in enumerate(per_rank_args)
         ]
         children, failures = [], []
@@ -206,16 +237,18 @@ def start_group(
     return Group(children)
 
 
-def vllm_python() -> str | None:
-    """The vLLM venv's interpreter: ``$MX_REFIT_VLLM_PYTHON``, else the newest complete
-    ``scripts/dev`` vLLM venv under ``$MX_REFIT_CACHE``."""
-    return _venv_python("MX_REFIT_VLLM_PYTHON", "vllm")
-
-
 def core_python() -> str | None:
-    """The core venv's interpreter (megatron-core + Megatron-Bridge): ``$MX_REFIT_CORE_PYTHON``,
+    """The core venv's interpreter (megatron-core, Megatron-Bridge): ``$MX_REFIT_CORE_PYTHON``,
     else the newest complete ``scripts/dev`` core venv under ``$MX_REFIT_CACHE``."""
     return _venv_python("MX_REFIT_CORE_PYTHON", "core")
+
+
+def vllm_python() -> str | None:
+    """The vLLM venv's interpreter: ``$MX_REFIT_VLLM_PYTHON``, else this interpreter when it has
+    vllm, else the newest complete ``scripts/dev`` vLLM venv under ``$MX_REFIT_CACHE``."""
+    if not os.environ.get("MX_REFIT_VLLM_PYTHON") and importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return _venv_python("MX_REFIT_VLLM_PYTHON", "vllm")
 
 
 def _venv_python(variable: str, kind: str) -> str | None:
@@ -229,3 +262,64 @@ def _venv_python(variable: str, kind: str) -> str | None:
         if python.exists():
             return str(python)
     return None
+
+
+# ---------------------------------------------------------------------------------- child's end
+def rank_arguments() -> argparse.ArgumentParser:
+    """A parser with what every rank script takes: ``--listen`` (from :class:`Child`), ``--rank``,
+    ``--world`` and ``--dist-port`` (the process group's rendezvous); add the script's own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--dist-port", type=int, required=True)
+    return parser
+
+
+def open_child[T](listen: str, build: Callable[[], T], **hello: Any) -> tuple[Connection, T] | None:
+    """Connect to the parent at ``listen`` (``HOST:PORT``), then run ``build`` (imports, process
+    groups, models) and say hello (this pid plus ``hello``). When ``build`` raises, its traceback
+    goes to the parent as a ``StartupError`` and this returns None: the child should exit."""
+    host, port = listen.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MX_TEST_AUTHKEY"]))
+    try:
+        served = build()
+    except BaseException:
+        conn.send(("err", ("StartupError", traceback.format_exc())))
+        return None
+    conn.send(("ok", {"pid": os.getpid(), **hello}))
+    return conn, served
+
+
+def serve(
+    conn: Connection,
+    handlers: Mapping[str, Callable[[Any], Any]],
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Answer commands until ``stop`` (``on_stop`` runs before its reply). A handler's exception
+    is sent back (:func:`describe_error`) and the child keeps serving: tests probe failure paths."""
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            if on_stop is not None:
+                on_stop()
+            conn.send(("ok", None))
+            return
+        try:
+            handler = handlers.get(cmd)
+            if handler is None:
+                raise ValueError(f"unknown command {cmd!r} (known: {sorted(handlers)})")
+            conn.send(("ok", handler(arg)))
+        except BaseException as exc:
+            conn.send(("err", describe_error(exc)))
+
+
+def describe_error(exc: BaseException) -> tuple[str, str]:
+    """``(type name, message)`` of an exception for the parent: the message, its causes, and the
+    traceback."""
+    parts = [f"{type(exc).__name__}: {exc}"]
+    cause = exc.__cause__
+    while cause is not None:
+        parts.append(f"caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__
+    return type(exc).__name__, " | ".join(parts) + "\n" + "".join(traceback.format_exception(exc))

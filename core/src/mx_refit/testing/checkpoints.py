@@ -1,4 +1,5 @@
-"""Tiny HF Qwen2 checkpoints for the tests (built from a config, no downloads).
+"""Tiny HF Qwen2 checkpoints for the plugins' tests (built from a config, no downloads; torch,
+transformers and safetensors are imported only when one is built or loaded).
 
 Version ``v`` of the weights is its own checkpoint directory, so every process (the vLLM
 workers' reference models, the torch trainer, the Megatron trainer in the core venv) reads the
@@ -11,11 +12,18 @@ and a vocabulary of 131 that no TP > 1 divides (Megatron pads it, vLLM pads it d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-CONFIG = {
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["CONFIG", "build_version", "load_version", "tensor_digest"]
+
+CONFIG: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
     "hidden_size": 64,
@@ -61,7 +69,16 @@ def build_version(root: Path, version: int) -> Path:
     return out
 
 
-def load_version(path: Path | str) -> dict[str, object]:
+def load_version(path: Path | str) -> dict[str, "torch.Tensor"]:
+    """The tensors of a checkpoint written by :func:`build_version`, by HF name."""
     from safetensors.torch import load_file
 
     return load_file(str(Path(path) / "model.safetensors"))
+
+
+def tensor_digest(tensor: "torch.Tensor") -> str:
+    """A short fingerprint of a tensor's bytes, dtype and shape, to compare what two processes hold."""
+    import torch
+
+    t = tensor.detach().contiguous().cpu()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:24] + f"|{t.dtype}|{tuple(t.shape)}"
