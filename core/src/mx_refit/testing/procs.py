@@ -297,7 +297,8 @@ def serve(
     on_stop: Callable[[], None] | None = None,
 ) -> None:
     """Answer commands until ``stop`` (``on_stop`` runs before its reply). A handler's exception
-    is sent back (:func:`describe_error`) and the child keeps serving: tests probe failure paths."""
+    is sent back (:func:`describe_error`), its traceback printed, and the child keeps serving:
+    tests probe failure paths."""
     while True:
         cmd, arg = conn.recv()
         if cmd == "stop":
@@ -311,15 +312,16 @@ def serve(
                 raise ValueError(f"unknown command {cmd!r} (known: {sorted(handlers)})")
             conn.send(("ok", handler(arg)))
         except BaseException as exc:
+            traceback.print_exc()  # into the child's log, for the failure report
             conn.send(("err", describe_error(exc)))
 
 
 def describe_error(exc: BaseException) -> tuple[str, str]:
-    """``(type name, message)`` of an exception for the parent: the message, its causes, and the
-    traceback."""
+    """``(type name, message)`` of an exception for the parent: one line with the message and its
+    causes (callers forward it, e.g. as an HTTP route's error; the traceback goes to the log)."""
     parts = [f"{type(exc).__name__}: {exc}"]
     cause = exc.__cause__
     while cause is not None:
         parts.append(f"caused by {type(cause).__name__}: {cause}")
         cause = cause.__cause__
-    return type(exc).__name__, " | ".join(parts) + "\n" + "".join(traceback.format_exception(exc))
+    return type(exc).__name__, " | ".join(parts)
