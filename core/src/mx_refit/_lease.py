@@ -11,12 +11,15 @@ its release. :class:`LeaseGuard` enforces that on one clock, the catalog's:
   deadline after receiving the call), so once local time passes the last such bound without a
   newer acknowledgement the lease may be gone and the pull is aborted.
 
-Renewals cost nothing for short pulls: the timer first fires at a third of the TTL.
+Renewals cost nothing for short pulls: the timer first fires at a third of the TTL. A
+:class:`LeaseRenewer` keeps one renewal thread across a receiver's refits, so a steady refit
+starts no thread (starting one costs 0.1-0.3 ms, as much as a third of a catalog round trip).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -26,7 +29,7 @@ from mx_refit.errors import LeaseLost, MxRefitError, NotFound
 if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.api import Catalog
 
-__all__ = ["LeaseGuard"]
+__all__ = ["LeaseGuard", "LeaseRenewer"]
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,18 @@ class LeaseGuard:
 
     :param acquired_at: local monotonic time at which the acquiring call was sent.
     :param label: what the lease covers (``model 'm' version 3``), for messages.
+    :param renewer: renews on this long-lived thread instead of one started for this lease.
     """
 
     def __init__(
-        self, catalog: "Catalog", lease_id: str, ttl_s: float, *, acquired_at: float, label: str
+        self,
+        catalog: "Catalog",
+        lease_id: str,
+        ttl_s: float,
+        *,
+        acquired_at: float,
+        label: str,
+        renewer: "LeaseRenewer | None" = None,
     ) -> None:
         self._catalog = catalog
         self.lease_id = lease_id
@@ -53,14 +64,22 @@ class LeaseGuard:
         self._slowest_renewal_s = 0.0  # a renewal that took this long crossed a stalled link
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._renewer = renewer
+        self.next_renewal = math.inf  # local monotonic time of the next renewal (a renewer's)
 
     # -- renewals ------------------------------------------------------------------------------
     def start(self) -> None:
+        if self._renewer is not None:
+            self.next_renewal = time.monotonic() + self.ttl_s / 3
+            self._renewer.watch(self)
+            return
         self._thread = threading.Thread(target=self._run, name=f"mx-refit-lease[{self.lease_id}]", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._renewer is not None:
+            self._renewer.unwatch(self)
         # A renewal stuck on an unreachable catalog must not hold the refit up: the thread is a
         # daemon and its outcome no longer matters once the release decides.
         if self._thread is not None:
@@ -69,10 +88,19 @@ class LeaseGuard:
     def _run(self) -> None:
         interval = self.ttl_s / 3
         while not self._stop.wait(interval):
-            self.renew()
-            interval = self.ttl_s / 3 if self._renew_error is None else min(self.ttl_s / 6, 0.5)
+            interval = self.renew_and_schedule()
             if self._lost is not None:
                 return
+
+    def renew_and_schedule(self) -> float:
+        """Renew now; return the seconds until the next renewal (sooner after a failed one;
+        infinite once the catalog said the lease is gone)."""
+        self.renew()
+        interval = self.ttl_s / 3 if self._renew_error is None else min(self.ttl_s / 6, 0.5)
+        if self._lost is not None:
+            interval = math.inf
+        self.next_renewal = time.monotonic() + interval
+        return interval
 
     def renew(self) -> None:
         sent = time.monotonic()
@@ -166,3 +194,55 @@ class LeaseGuard:
             lease_id=self.lease_id,
             cause=cause,
         )
+
+
+class LeaseRenewer:
+    """One daemon thread, kept across refits, renewing whichever lease its owner holds now (a
+    receiver holds one at a time); started on the first lease, ended by :meth:`close`."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._guard: LeaseGuard | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, guard: LeaseGuard) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"lease renewer {self._name} is closed")
+            self._guard = guard
+            if self._thread is None or not self._thread.is_alive():  # first lease, or a forked child
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    def unwatch(self, guard: LeaseGuard) -> None:
+        with self._cond:
+            if self._guard is guard:
+                self._guard = None
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._guard = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                guard = self._guard
+                if guard is None:
+                    self._cond.wait()
+                    continue
+                wait = guard.next_renewal - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(None if math.isinf(wait) else wait)
+                    continue
+                self._cond.release()  # the renewal's round trip must not block watch/unwatch
+                try:
+                    guard.renew_and_schedule()
+                finally:
+                    self._cond.acquire()

@@ -305,7 +305,8 @@ class RefitStats:
     handles_opened: int = 0  # CUDA IPC handles opened this cycle (0 once they are cached)
     blocks_verified: int = 0  # checksum blocks verified (weight_sync.checksums; 0 when off)
     # Wall seconds per step of the cycle (discover, plan, lease, heartbeat_start, pull, release,
-    # materialize, load): where a whole refit spends what its pull does not.
+    # materialize, load): where a whole refit spends what its pull does not. "lease" is ~0 when
+    # the catalog found and leased the version in one call (counted in "discover").
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # Fan-out: how many of the sources read from were replicas (0 without fan-out).
     replicas_read: int = 0

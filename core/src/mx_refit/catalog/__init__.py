@@ -7,7 +7,8 @@ protobuf; they load when the server, servicer or client is first touched.
 * :class:`CatalogServer`, :func:`start_catalog`, :func:`start_embedded`, :func:`serve_forever` —
   serve it over gRPC.
 * :class:`CatalogClient` — the typed remote client (same methods, same errors).
-* :class:`Catalog` — the protocol both the service and the client satisfy.
+* :class:`Catalog` — the protocol both the service and the client satisfy;
+  :class:`LeasingCatalog` adds finding and leasing a version in one call.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mx_refit.catalog.api import DEFAULT_TTL_S, Catalog, ReadProgress, VersionSummary
+    from mx_refit.catalog.api import (
+        DEFAULT_TTL_S,
+        Catalog,
+        LeasedVersion,
+        LeasingCatalog,
+        ReadProgress,
+        VersionSummary,
+    )
     from mx_refit.catalog.client import CatalogClient
     from mx_refit.catalog.connect import as_catalog
     from mx_refit.catalog.server import CatalogServer, serve_forever, start_catalog, start_embedded
@@ -30,6 +38,8 @@ __all__ = [
     "CatalogLimits",
     "CatalogServer",
     "CatalogService",
+    "LeasedVersion",
+    "LeasingCatalog",
     "ReadProgress",
     "ReapReport",
     "VersionSummary",
@@ -42,6 +52,8 @@ __all__ = [
 _WHERE = {
     "DEFAULT_TTL_S": "api",
     "Catalog": "api",
+    "LeasedVersion": "api",
+    "LeasingCatalog": "api",
     "ReadProgress": "api",
     "VersionSummary": "api",
     "CatalogLimits": "validation",

@@ -15,7 +15,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "ReadProgress", "VersionSummary"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "LeasedVersion", "LeasingCatalog", "ReadProgress",
+    "VersionSummary",
+]
 
 # Default TTL of sources and leases; heartbeat at a third of it or more often.
 DEFAULT_TTL_S = 30.0
@@ -54,6 +57,14 @@ class ReadProgress:
             f"{len(self.completed_readers)} of {self.expected_readers} expected readers "
             f"completed ({who})"
         )
+
+
+@dataclass(frozen=True)
+class LeasedVersion:
+    """A READY version found and leased in one step (:meth:`LeasingCatalog.lease_version`)."""
+
+    info: VersionInfo
+    lease_id: str
 
 
 @runtime_checkable
@@ -144,4 +155,24 @@ class Catalog(Protocol):
 
     def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:
         """Wait until every expected reader completed a read of ``version`` (bounded)."""
+        ...
+
+
+@runtime_checkable
+class LeasingCatalog(Catalog, Protocol):
+    """A catalog that also finds and leases a version in one call (one round trip fewer per
+    refit). Receivers use it when the catalog they were given offers it."""
+
+    def lease_version(
+        self,
+        model: str,
+        reader_id: str,
+        version: int | None = None,
+        min_version: int = 0,
+        ttl_s: float = DEFAULT_TTL_S,
+        lease_id: str | None = None,
+    ) -> LeasedVersion:
+        """:meth:`get_version` and :meth:`acquire_lease` atomically: the exact READY ``version``,
+        or the newest READY one >= ``min_version``, leased for ``reader_id``. A retry with the
+        same ``lease_id`` renews that lease and answers its version again."""
         ...

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -30,6 +30,7 @@ from mx_refit.catalog import convert
 from mx_refit.catalog.api import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TTL_S,
+    LeasedVersion,
     ReadProgress,
     VersionSummary,
 )
@@ -44,7 +45,7 @@ from mx_refit.catalog.status import RETRYABLE, error_for
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
 from mx_refit.catalog.validation import check_name, check_token
-from mx_refit.errors import InvalidArgument, Unavailable
+from mx_refit.errors import InvalidArgument, MxRefitError, Unavailable
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
 __all__ = ["CatalogClient"]
@@ -132,6 +133,7 @@ class CatalogClient:
         self._channel: grpc.Channel | None = None
         self._stub: catalog_pb2_grpc.CatalogServiceStub | None = None
         self._pid = -1
+        self._lease_version_unsupported = False  # the catalog answered UNIMPLEMENTED once
 
     # --- pickling: configuration only ---------------------------------------------------
 
@@ -223,6 +225,8 @@ class CatalogClient:
                 if code in RETRYABLE:
                     last = exc
                     continue
+                if code is grpc.StatusCode.UNIMPLEMENTED:
+                    raise _Unimplemented(f"{method}: the catalog at {self.address} does not offer it: {details}") from None
                 raise error_for(code, details, method) from None
         assert last is not None
         code, details = last.code(), last.details() or ""
@@ -348,16 +352,65 @@ class CatalogClient:
         result equals a full fetch. Results share the cached descriptor tuples and sidecar
         dict with earlier results: treat them as read-only (as with the in-process service).
         """
+        return self._with_manifests(model, lambda known: self._fetch_version(model, version, min_version, known))
+
+    def lease_version(
+        self,
+        model: str,
+        reader_id: str,
+        version: int | None = None,
+        min_version: int = 0,
+        ttl_s: float = DEFAULT_TTL_S,
+        lease_id: str | None = None,
+    ) -> LeasedVersion:
+        """See :meth:`CatalogService.lease_version`: one round trip where
+        :meth:`get_version` then :meth:`acquire_lease` take two. The manifest is answered by
+        digest as in :meth:`get_version`; the lease id is picked up front (unless given), so a
+        retried call never leaves an orphan lease.
+
+        A catalog too old to know the call is asked in two steps instead (and not again)."""
+        chosen = uuid.uuid4().hex if lease_id is None else check_name(lease_id, "lease_id")
+        if not self._lease_version_unsupported:
+            leased: list[str] = []
+
+            def fetch(known: Known) -> VersionInfo:
+                request = _request(
+                    pb.LeaseVersionRequest,
+                    find=self._find_request(model, version, min_version, known),
+                    reader_id=reader_id,
+                    ttl_s=ttl_s,
+                    lease_id=chosen,
+                )
+                try:
+                    reply = self._call("LeaseVersion", request)
+                except _Unimplemented:
+                    self._lease_version_unsupported = True
+                    raise
+                leased.append(reply.lease_id)
+                return self._version_from_reply(reply.version_info, known)
+
+            try:
+                info = self._with_manifests(model, fetch)
+            except _Unimplemented:
+                pass
+            else:
+                return LeasedVersion(info, leased[-1])
+        info = self.get_version(model, version, min_version)
+        return LeasedVersion(info, self.acquire_lease(model, info.version, reader_id, ttl_s, chosen))
+
+    def _with_manifests(self, model: str, fetch: Callable[[Known], VersionInfo]) -> VersionInfo:
+        """``fetch`` announcing the manifests this client holds for ``model``; asked again
+        announcing nothing if the catalog left out something this client does not hold."""
         known = self._manifests.known(model) if isinstance(model, str) else NOTHING_KNOWN
         try:
-            info = self._fetch_version(model, version, min_version, known)
+            info = fetch(known)
         except UnknownDigest:
             if known is NOTHING_KNOWN:
                 raise  # the catalog left out what nobody announced: never return partial data
             # The catalog left out something this client does not hold (a catalog answering
             # for another reader's digests, or a bug): ask again, announcing nothing.
             self._manifests.count(refetches=1)
-            info = self._fetch_version(model, version, min_version, NOTHING_KNOWN)
+            info = fetch(NOTHING_KNOWN)
         self._manifests.remember(model, info)
         return info
 
@@ -369,8 +422,13 @@ class CatalogClient:
     def _fetch_version(
         self, model: str, version: int | None, min_version: int, known: Known
     ) -> VersionInfo:
+        request = self._find_request(model, version, min_version, known)
+        return self._version_from_reply(self._call("GetVersion", request).version_info, known)
+
+    @staticmethod
+    def _find_request(model: str, version: int | None, min_version: int, known: Known) -> Any:
         exact = {} if version is None else {"version": version}
-        request = _request(
+        return _request(
             pb.GetVersionRequest,
             model=model,
             min_version=min_version,
@@ -378,7 +436,8 @@ class CatalogClient:
             known_sidecar_digest=known.sidecar_digest,
             **exact,
         )
-        msg = self._call("GetVersion", request).version_info
+
+    def _version_from_reply(self, msg: pb.VersionInfo, known: Known) -> VersionInfo:
         sent = [len(source.tensors) for source in msg.sources if not source.tensors_omitted]
         self._manifests.count(
             replies=1,
@@ -460,6 +519,10 @@ class CatalogClient:
         self._call(
             "ReleaseLease", _request(pb.ReleaseLeaseRequest, lease_id=lease_id, completed=completed)
         )
+
+
+class _Unimplemented(MxRefitError):
+    """The catalog is older than the call (gRPC UNIMPLEMENTED)."""
 
 
 def _read_progress(reply: pb.WaitReadReply) -> ReadProgress:

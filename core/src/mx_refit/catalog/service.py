@@ -53,7 +53,7 @@ from mx_refit.catalog._records import (
     republishable,
 )
 from mx_refit.catalog._replicas import ReplicaCatalog, check_lease_sources
-from mx_refit.catalog.api import DEFAULT_TTL_S, ReadProgress, VersionSummary
+from mx_refit.catalog.api import DEFAULT_TTL_S, LeasedVersion, ReadProgress, VersionSummary
 from mx_refit.catalog.digests import Layout, stamp_layout
 from mx_refit.catalog.validation import (
     CatalogLimits,
@@ -394,34 +394,10 @@ class CatalogService(ReplicaCatalog):
     ) -> Manifest:
         """:meth:`get_version` for transports: the sidecar stays canonical JSON text, with the
         version's digests, so a server can send it (or leave it out) without decoding it."""
-        min_version = check_int(min_version, "min_version", minimum=0)
-        if version is not None:
-            version = check_int(version, "version", minimum=0)
-            if version < min_version:
-                raise InvalidArgument(f"version: {version} is below min_version {min_version}")
+        version, min_version = _check_lookup(version, min_version)
         with self._cond:
             self._reap_locked(self._clock())
-            if version is not None:
-                rec = self._record_locked(model, version)
-                if rec.state is not VersionState.READY:
-                    raise FailedPrecondition(f"{rec.label} is {rec.state.value}, not READY")
-            else:
-                versions = self._versions_locked(model)
-                ready = [
-                    r
-                    for r in versions.values()
-                    if r.state is VersionState.READY and r.version >= min_version
-                ]
-                if not ready:
-                    known = ", ".join(
-                        f"{v} {versions[v].state.value}" for v in sorted(versions)[-8:]
-                    )
-                    raise NotFound(
-                        f"model {model!r} has no READY version >= {min_version} "
-                        f"(known: {known or 'none'})"
-                    )
-                rec = max(ready, key=lambda r: r.version)
-            return rec.manifest()
+            return self._ready_record_locked(model, version, min_version).manifest()
 
     def inspect_version(self, model: str, version: int) -> VersionInfo:
         """A version's manifest in whatever state it is (diagnostics; readers use
@@ -484,34 +460,91 @@ class CatalogService(ReplicaCatalog):
         with self._cond:
             now = self._reap_locked(self._clock())
             rec = self._record_locked(model, version)
+            return self._lease_locked(rec, reader_id, ttl, lease_id, now, sources, max_readers_per_source)
+
+    def lease_version(
+        self,
+        model: str,
+        reader_id: str,
+        version: int | None = None,
+        min_version: int = 0,
+        ttl_s: float = DEFAULT_TTL_S,
+        lease_id: str | None = None,
+    ) -> LeasedVersion:
+        """:meth:`get_version` and :meth:`acquire_lease` in one atomic step: the exact READY
+        ``version`` or the newest READY one >= ``min_version``, leased for ``reader_id`` (a
+        lease naming no sources: every trainer source, as readers without fan-out take).
+
+        A retry with the same ``lease_id`` renews that lease and answers its version again,
+        even when a newer version turned READY in between.
+        """
+        manifest, leased = self.lease_manifest(model, reader_id, version, min_version, ttl_s, lease_id)
+        return LeasedVersion(manifest.version_info(), leased)
+
+    def lease_manifest(
+        self,
+        model: str,
+        reader_id: str,
+        version: int | None = None,
+        min_version: int = 0,
+        ttl_s: float = DEFAULT_TTL_S,
+        lease_id: str | None = None,
+    ) -> tuple[Manifest, str]:
+        """:meth:`lease_version` for transports: the manifest as :meth:`get_manifest` gives it,
+        and the lease id."""
+        version, min_version = _check_lookup(version, min_version)
+        reader_id = check_name(reader_id, "reader_id")
+        ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
+        if lease_id is not None:
+            lease_id = check_name(lease_id, "lease_id")
+        with self._cond:
+            now = self._reap_locked(self._clock())
             existing = self._leases.get(lease_id) if lease_id else None
-            if existing is not None:
-                if existing.record is not rec or existing.reader_id != reader_id:
-                    held = existing.record
-                    raise InvalidArgument(
-                        f"lease_id: {lease_id!r} is already held by reader {existing.reader_id!r} "
-                        f"on {held.label if held else 'another version'}"
-                    )
-                existing.ttl_s = ttl
-                self._deadlines.set(existing, now + ttl)
-                return existing.lease_id
-            if rec.state is not VersionState.READY:
-                raise FailedPrecondition(
-                    f"{rec.label} is {rec.state.value}; only READY versions can be leased"
+            held = existing.record if existing is not None else None
+            if held is not None and held.model == model and version in (None, held.version):
+                rec = held  # a retry: the version this lease was taken on
+            else:
+                rec = self._ready_record_locked(model, version, min_version)
+            return rec.manifest(), self._lease_locked(rec, reader_id, ttl, lease_id, now, (), 0)
+
+    def _lease_locked(
+        self,
+        rec: VersionRecord,
+        reader_id: str,
+        ttl: float,
+        lease_id: str | None,
+        now: float,
+        sources: Sequence[str],
+        max_readers_per_source: int,
+    ) -> str:
+        existing = self._leases.get(lease_id) if lease_id else None
+        if existing is not None:
+            if existing.record is not rec or existing.reader_id != reader_id:
+                held = existing.record
+                raise InvalidArgument(
+                    f"lease_id: {lease_id!r} is already held by reader {existing.reader_id!r} "
+                    f"on {held.label if held else 'another version'}"
                 )
-            names, _ = check_lease_sources(rec, sources, max_readers_per_source)
-            lease = LeaseRecord(
-                ttl_s=ttl,
-                expires_at=now + ttl,
-                lease_id=lease_id or uuid.uuid4().hex,
-                reader_id=reader_id,
-                record=rec,
-                sources=names,
+            existing.ttl_s = ttl
+            self._deadlines.set(existing, now + ttl)
+            return existing.lease_id
+        if rec.state is not VersionState.READY:
+            raise FailedPrecondition(
+                f"{rec.label} is {rec.state.value}; only READY versions can be leased"
             )
-            self._leases[lease.lease_id] = lease
-            rec.leases[lease.lease_id] = lease
-            self._deadlines.set(lease, lease.expires_at, new=True)
-            return lease.lease_id
+        names, _ = check_lease_sources(rec, sources, max_readers_per_source)
+        lease = LeaseRecord(
+            ttl_s=ttl,
+            expires_at=now + ttl,
+            lease_id=lease_id or uuid.uuid4().hex,
+            reader_id=reader_id,
+            record=rec,
+            sources=names,
+        )
+        self._leases[lease.lease_id] = lease
+        rec.leases[lease.lease_id] = lease
+        self._deadlines.set(lease, lease.expires_at, new=True)
+        return lease.lease_id
 
     def release_lease(self, lease_id: str, completed: bool = False) -> None:
         """Release a live lease. Releasing it again is a no-op (a retry after a lost reply).
@@ -585,6 +618,30 @@ class CatalogService(ReplicaCatalog):
             )
 
     # --- internals (all called with the lock held) ---------------------------------------
+
+    def _ready_record_locked(self, model: str, version: int | None, min_version: int) -> VersionRecord:
+        """The exact READY ``version``, or the newest READY one >= ``min_version`` (checked)."""
+        if version is not None:
+            rec = self._record_locked(model, version)
+            if rec.state is not VersionState.READY:
+                raise FailedPrecondition(f"{rec.label} is {rec.state.value}, not READY")
+        else:
+            versions = self._versions_locked(model)
+            ready = [
+                r
+                for r in versions.values()
+                if r.state is VersionState.READY and r.version >= min_version
+            ]
+            if not ready:
+                known = ", ".join(
+                    f"{v} {versions[v].state.value}" for v in sorted(versions)[-8:]
+                )
+                raise NotFound(
+                    f"model {model!r} has no READY version >= {min_version} "
+                    f"(known: {known or 'none'})"
+                )
+            rec = max(ready, key=lambda r: r.version)
+        return rec
 
     def _versions_locked(self, model: object) -> dict[int, VersionRecord]:
         model = check_name(model, "model")
@@ -719,6 +776,16 @@ class CatalogService(ReplicaCatalog):
                 self._drop_replica_locked(rec, source_id)
         if not versions:
             del self._models[model]
+
+
+def _check_lookup(version: int | None, min_version: int) -> tuple[int | None, int]:
+    """Checked ``version`` and ``min_version`` of a READY-version lookup."""
+    min_version = check_int(min_version, "min_version", minimum=0)
+    if version is not None:
+        version = check_int(version, "version", minimum=0)
+        if version < min_version:
+            raise InvalidArgument(f"version: {version} is below min_version {min_version}")
+    return version, min_version
 
 
 def _ids(values: Iterable[str], field: str) -> list[str]:

@@ -170,6 +170,25 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
                 return pb.WithdrawReplicaReply(drained=False)
 
     @_rpc
+    def LeaseVersion(
+        self, request: pb.LeaseVersionRequest, context: grpc.ServicerContext
+    ) -> pb.LeaseVersionReply:
+        find = request.find
+        manifest, lease_id = self.service.lease_manifest(
+            find.model,
+            request.reader_id,
+            find.version if find.HasField("version") else None,
+            find.min_version,
+            request.ttl_s,
+            request.lease_id or None,
+        )
+        reply = pb.LeaseVersionReply(lease_id=lease_id)
+        convert.manifest_to_proto(
+            manifest, find.known_layout_digests, find.known_sidecar_digest, reply.version_info
+        )
+        return reply
+
+    @_rpc
     def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseReply:

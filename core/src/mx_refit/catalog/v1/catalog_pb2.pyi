@@ -359,6 +359,26 @@ class AcquireLeaseReply(_message.Message):
     lease_id: str
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
+class LeaseVersionRequest(_message.Message):
+    __slots__ = ("find", "reader_id", "ttl_s", "lease_id")
+    FIND_FIELD_NUMBER: _ClassVar[int]
+    READER_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    find: GetVersionRequest
+    reader_id: str
+    ttl_s: float
+    lease_id: str
+    def __init__(self, find: _Optional[_Union[GetVersionRequest, _Mapping]] = ..., reader_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class LeaseVersionReply(_message.Message):
+    __slots__ = ("version_info", "lease_id")
+    VERSION_INFO_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    version_info: VersionInfo
+    lease_id: str
+    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "completed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class CatalogServiceStub:
                 request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.AcquireLeaseRequest.SerializeToString,
                 response_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.AcquireLeaseReply.FromString,
                 _registered_method=True)
+        self.LeaseVersion = channel.unary_unary(
+                '/mx_refit.catalog.v1.CatalogService/LeaseVersion',
+                request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.LeaseVersionRequest.SerializeToString,
+                response_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.LeaseVersionReply.FromString,
+                _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/mx_refit.catalog.v1.CatalogService/ReleaseLease',
                 request_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.ReleaseLeaseRequest.SerializeToString,
@@ -144,6 +149,15 @@ class CatalogServiceServicer:
     def AcquireLease(self, request, context):
         """Leases a READY version for a reader; the publisher will not mutate its buffers while a live
         lease exists. Idempotent per lease_id, so the call is safe to retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseVersion(self, request, context):
+        """GetVersion and AcquireLease in one atomic call (one round trip fewer per refit): finds the
+        version as GetVersion does (leaving out what the reader holds) and leases it. Idempotent per
+        lease_id: a retry renews that lease and answers its version again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +248,11 @@ def add_CatalogServiceServicer_to_server(servicer, server):
                     servicer.AcquireLease,
                     request_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.AcquireLeaseRequest.FromString,
                     response_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.AcquireLeaseReply.SerializeToString,
+            ),
+            'LeaseVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseVersion,
+                    request_deserializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.LeaseVersionRequest.FromString,
+                    response_serializer=mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.LeaseVersionReply.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
@@ -429,6 +448,33 @@ class CatalogService:
             '/mx_refit.catalog.v1.CatalogService/AcquireLease',
             mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.AcquireLeaseRequest.SerializeToString,
             mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.AcquireLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mx_refit.catalog.v1.CatalogService/LeaseVersion',
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.LeaseVersionRequest.SerializeToString,
+            mx__refit_dot_catalog_dot_v1_dot_catalog__pb2.LeaseVersionReply.FromString,
             options,
             channel_credentials,
             insecure,
