@@ -203,9 +203,13 @@ class CatalogClient:
     ) -> None:
         self.close()
 
-    def _call(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
+    def _call(
+        self, method: str, request: Any, *, timeout_s: float | None = None, wait_for_ready: bool = False
+    ) -> Any:
         """One unary call with bounded retries on transient failures (every RPC is idempotent:
-        the catalog treats a repeated release or registration as a no-op)."""
+        the catalog treats a repeated release or registration as a no-op). ``wait_for_ready``:
+        wait, within the call's deadline, for a connection the channel is re-establishing
+        instead of failing at once while it backs off between reconnects."""
         attempts = self.retries + 1
         last: grpc.RpcError | None = None
         for attempt in range(attempts):
@@ -218,6 +222,7 @@ class CatalogClient:
                     request,
                     timeout=timeout_s if timeout_s is not None else self.timeout_s,
                     metadata=self._metadata,
+                    wait_for_ready=wait_for_ready or None,
                 )
             except grpc.RpcError as exc:
                 code = exc.code()
@@ -382,7 +387,10 @@ class CatalogClient:
                     lease_id=chosen,
                 )
                 try:
-                    reply = self._call("LeaseVersion", request)
+                    # A refit starts here: after a cut link or a catalog restart the channel may
+                    # still be backing off between reconnects (up to 1 s), longer than the
+                    # retries last; wait for it within the deadline rather than fail the refit.
+                    reply = self._call("LeaseVersion", request, wait_for_ready=True)
                 except _Unimplemented:
                     self._lease_version_unsupported = True
                     raise
