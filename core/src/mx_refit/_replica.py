@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from mx_refit._heartbeat import Heartbeat
-from mx_refit.errors import FailedPrecondition, MxRefitError
+from mx_refit.errors import FailedPrecondition, MxRefitError, NotFound
 from mx_refit.fanout import replica_mirrors
 from mx_refit.types import MemType, MeshPosition, SourceInfo, TensorDescriptor
 
@@ -73,19 +73,31 @@ class ReplicaSource:
         except MxRefitError as exc:
             log.warning("%s: not offering %s v%d as a replica: %s", self.source_id, self.model, version, exc)
             return False
+        self.stop()
         self.version, self.info = version, info
         self._heartbeat = Heartbeat(
-            lambda: self.catalog.heartbeat(source_ids=[self.source_id]),
-            min(self.ttl_s / 3, 2.0), name=f"mx-refit-replica[{self.source_id}]",
+            self._beat, min(self.ttl_s / 3, 2.0), name=f"mx-refit-replica[{self.source_id}]"
         )
         self._heartbeat.start()
         return True
+
+    def _beat(self) -> None:
+        if self.version is None:
+            return
+        try:
+            self.catalog.heartbeat(source_ids=[self.source_id])
+        except NotFound:
+            # The catalog forgot it (its version was retired and pruned, or the TTL lapsed):
+            # nobody can lease it any more, so there is nothing left to keep alive.
+            log.info("%s: replica of %s v%s no longer known to the catalog", self.source_id, self.model, self.version)
+            self.version, self.info = None, None
 
     def withdraw(self) -> None:
         """Stop offering the replica and wait until nobody reads it; after this the arena may be
         overwritten. ``FailedPrecondition`` when readers still hold it after the timeout (the
         arena must then not be touched)."""
         if self.version is None:
+            self.stop()  # a heartbeat may have found it forgotten: only the thread is left
             return
         drained = self.catalog.withdraw_replica(self.model, self.version, self.source_id, self.withdraw_timeout_s)
         if not drained:

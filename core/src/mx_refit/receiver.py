@@ -440,7 +440,7 @@ class Receiver:
         from mx_refit.fanout import choose_sources
 
         # Every holder busy: wait for a replica to turn ready rather than queue on the trainer.
-        wait = Backoff(self.transfer_timeout_s, first_s=0.005, max_s=0.1)
+        wait = Backoff(self.transfer_timeout_s, first_s=0.005, max_s=0.025)
         while True:
             choice = choose_sources(
                 info, requests, reader_id=self.reader_id, max_readers=self.max_readers_per_source,
