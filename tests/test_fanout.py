@@ -250,3 +250,11 @@ def test_tree_fanout_end_to_end(cluster):
         want = _fanout_procs.expected(22, 2, TargetLayout())
         assert version == 2 and all(torch.equal(tensors[n], want[n]) for n in want)
     client.close()
+
+
+def test_readme_fanout_example_runs_as_written(capsys):
+    from tests.test_readme import readme_python
+
+    code = readme_python("Fan-out: replica sources")
+    exec(compile(code, "README.md: Fan-out", "exec"), {})  # noqa: S102
+    assert capsys.readouterr().out.split() == ["0", "1", "True"]
