@@ -258,3 +258,36 @@ def test_readme_fanout_example_runs_as_written(capsys):
     code = readme_python("Fan-out: replica sources")
     exec(compile(code, "README.md: Fan-out", "exec"), {})  # noqa: S102
     assert capsys.readouterr().out.split() == ["0", "1", "True"]
+
+
+def test_a_reader_at_the_cap_waits_for_a_replica_rather_than_queueing(mx_catalog, mx_model_name):
+    from mx_refit import Publisher
+
+    weights = {"w": torch.arange(4096.0), "b": torch.ones(64)}
+    with Publisher(mx_catalog, mx_model_name) as trainer, \
+            Receiver(mx_catalog, mx_model_name, fanout="tree", max_readers_per_source=1) as first, \
+            Receiver(mx_catalog, mx_model_name, fanout="tree", max_readers_per_source=1) as second:
+        trainer.publish(1, model=weights)
+        hold = trainer.client.acquire_lease(mx_model_name, 1, "hold", sources=[trainer.source_id], ttl_s=600)
+        results: dict[str, object] = {}
+
+        def refit(name: str, rec: Receiver) -> None:
+            try:
+                results[name] = rec.refit(1)
+            except Exception as exc:  # reported below
+                results[name] = exc
+
+        waiting = threading.Thread(target=refit, args=("second", second))
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive() and not results  # every holder (the trainer) is at its cap
+        trainer.client.release_lease(hold)
+        refit("first", first)  # takes the trainer's one slot, then offers a replica
+        waiting.join(60)
+        got = [results["first"], results["second"]]
+        assert all(not isinstance(r, Exception) for r in got), got
+        assert sorted(r.stats.replicas_read for r in got) in ([0, 0], [0, 1])  # who won the slot is a race
+        for r in got:
+            assert all(torch.equal(t, weights[n]) for n, t in r.tensors)
+        readers = trainer.client.get_version(mx_model_name, 1).readers
+        assert readers == {}  # every lease released
