@@ -15,7 +15,7 @@ from mx_refit.catalog import CatalogClient, CatalogService
 from mx_refit.config import CatalogConfig, RoleOverrideConfig, WeightSyncConfig, as_dict, load_config
 from mx_refit.errors import FailedPrecondition, InvalidArgument
 from mx_refit.plugins import Hooks, PluginLoadError
-from mx_refit.types import MeshPosition, PublishedTensor, Role, TargetLayout
+from mx_refit.types import MeshPosition, PublishedTensor, Role, SourceInfo, TargetLayout, TensorDescriptor
 
 
 def test_root_exports_the_front_door():
@@ -154,6 +154,8 @@ def test_load_config_takes_omegaconf_and_resolves_interpolations():
         ({"plugins": "vllm"}, r"weight_sync.plugins: 'vllm' \(expected a list\)"),
         ({"plugins": [""]}, r"weight_sync.plugins\[0\]: ''"),
         ({"catalog": {"port": 70000}}, r"weight_sync.catalog.port: 70000 out of range"),
+        ({"catalog": {"store": "redis://h:6379/zero"}}, r"weight_sync.catalog.store: .redis://h:6379/zero. has database .zero."),
+        ({"catalog": {"stor": "memory"}}, r"weight_sync.catalog.stor: unknown key .*did you mean .store.\?"),
         ({"method": "nccl"}, r"weight_sync.method: 'nccl'"),
     ],
 )
@@ -173,6 +175,11 @@ class _Seen:
     @hookimpl
     def mx_refit_register_role_overrides(self, register):
         register(role="column", pattern="*.q.weight")
+
+
+def _one_source() -> SourceInfo:
+    tensor = TensorDescriptor(name="w", dtype="float32", global_shape=(2,), local_shape=(2,), addr=0x1000, nbytes=8)
+    return SourceInfo(source_id="s0", mesh=MeshPosition(), agent_name="a0", agent_metadata=b"m", tensors=(tensor,))
 
 
 def _every_key_set(address: str) -> WeightSyncConfig:
@@ -208,10 +215,10 @@ CONSUMED = {
     "fanout": "Receiver.fanout (offers its arena as a replica, reads replicas)",
     "max_readers_per_source": "Receiver.max_readers_per_source (sent with each lease)",
 }
-CATALOG_CONSUMED = {"mode", "address", "host", "port", "advertise_host", "token"}
+CATALOG_CONSUMED = {"mode", "address", "host", "port", "advertise_host", "token", "store"}
 
 
-def test_every_config_key_is_consumed(mx_catalog):
+def test_every_config_key_is_consumed(mx_catalog, tmp_path):
     assert {f.name for f in dataclasses.fields(WeightSyncConfig)} == set(CONSUMED)
     assert {f.name for f in dataclasses.fields(CatalogConfig)} == CATALOG_CONSUMED
     cfg = _every_key_set(mx_catalog)
@@ -252,6 +259,26 @@ def test_every_config_key_is_consumed(mx_catalog):
             CatalogClient(server.address, retries=0).list_versions("every-key")
     finally:
         server.stop(0)
+
+    # catalog.store: the embedded catalog keeps its state there (a restarted one finds it again)
+    from redis_server import RedisServer
+
+    redis = RedisServer(tmp_path)
+    try:
+        stored = dataclasses.replace(cfg, catalog=CatalogConfig(mode="embedded", store=redis.url))
+        for restart in range(2):
+            server = mx_refit.start_catalog(config=stored)
+            try:
+                assert server.service.store.url == redis.url
+                with CatalogClient(server.address) as client:
+                    if restart == 0:
+                        client.register_source("every-key", 1, 1, _one_source(), ttl_s=60)
+                    assert [v.version for v in client.list_versions("every-key")] == [1]
+            finally:
+                server.stop(0)
+                server.service.store.close()
+    finally:
+        redis.stop()
 
     # catalog.mode: embedded without an address cannot be dialled
     with pytest.raises(InvalidArgument, match="weight_sync.catalog.address: None; with catalog.mode 'embedded'"):

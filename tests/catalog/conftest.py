@@ -1,11 +1,63 @@
-"""Fixtures of the catalog tests."""
+"""Fixtures of the catalog tests: every test that builds a catalog runs on both stores, the
+in-memory one and Redis (a real ``redis-server``, one per session, flushed per test)."""
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from catalog_factories import FakeClock
 
 from mx_refit.catalog import CatalogService
+from mx_refit.catalog.store import CatalogStore, MemoryStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from redis_server import RedisServer  # noqa: E402
+
+STORES = ["memory", "redis"]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def build_store(kind: str, request: pytest.FixtureRequest, clock: Callable[[], float] | None) -> CatalogStore:
+    if kind == "memory":
+        return MemoryStore(clock) if clock is not None else MemoryStore()
+    from mx_refit.catalog.store.redis_store import RedisStore
+
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return RedisStore(server.url, clock=clock, namespace=server.namespace())
+
+
+@pytest.fixture(params=STORES)
+def store_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "redis":
+        request.getfixturevalue("redis_server").flush()
+    yield request.param
+
+
+@pytest.fixture
+def make_service(store_kind: str, request: pytest.FixtureRequest) -> Iterator[Callable[..., CatalogService]]:
+    """``make_service(clock=None, **kwargs)``: a fresh, independent catalog on this test's store."""
+    made: list[CatalogService] = []
+
+    def make(*, clock: Callable[[], float] | None = None, **kwargs: Any) -> CatalogService:
+        service = CatalogService(store=build_store(store_kind, request, clock), **kwargs)
+        made.append(service)
+        return service
+
+    yield make
+    for service in made:
+        service.store.close()
 
 
 @pytest.fixture
@@ -14,5 +66,5 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def service(clock: FakeClock) -> CatalogService:
-    return CatalogService(clock=clock)
+def service(clock: FakeClock, make_service: Callable[..., CatalogService]) -> CatalogService:
+    return make_service(clock=clock)

@@ -125,10 +125,10 @@ def cold(server: CatalogServer, model: str, version: int | None = None) -> Versi
 # --- the catalog side --------------------------------------------------------------------------
 
 
-def test_registration_stamps_stable_layout_and_sidecar_digests() -> None:
+def test_registration_stamps_stable_layout_and_sidecar_digests(make_service) -> None:
     infos = []
     for _ in range(2):  # two catalogs (think: before and after a restart) agree
-        service = CatalogService()
+        service = make_service()
         publish(service, "m", 1)
         infos.append(service.get_version("m"))
     one, two = infos
@@ -138,12 +138,12 @@ def test_registration_stamps_stable_layout_and_sidecar_digests() -> None:
     assert one.sidecar_digest == digests.sidecar_digest(json_text(SIDECAR))
     assert one.sources[0].layout_digest != one.sources[1].layout_digest
     # Whatever digest a publisher sends is ignored.
-    service = CatalogService()
+    service = make_service()
     publish(service, "m", 1, (replace(rank(0), layout_digest="forged"), rank(1)))
     assert service.get_version("m").sources[0].layout_digest == src.layout_digest
 
 
-def test_an_unchanged_republish_reuses_the_tuple_and_digest_without_rehashing(
+def test_an_unchanged_republish_reuses_the_tuple_and_digest_without_rehashing(make_service, 
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     hashed: list[int] = []
@@ -151,7 +151,7 @@ def test_an_unchanged_republish_reuses_the_tuple_and_digest_without_rehashing(
     monkeypatch.setattr(
         digests, "layout_digest", lambda t, r: hashed.append(len(t)) or real(t, r)
     )
-    service = CatalogService()
+    service = make_service()
     publish(service, "m", 1)
     assert hashed == [TENSORS, TENSORS]
     publish(service, "m", 2)  # equal descriptors, new objects
@@ -180,8 +180,8 @@ def test_an_unchanged_republish_reuses_the_tuple_and_digest_without_rehashing(
         ),
     ],
 )
-def test_a_changed_layout_gets_a_new_digest(changed: Any) -> None:
-    service = CatalogService()
+def test_a_changed_layout_gets_a_new_digest(make_service, changed: Any) -> None:
+    service = make_service()
     publish(service, "m", 1)
     publish(service, "m", 2, (changed(), rank(1)))
     v1, v2 = service.get_version("m", 1), service.get_version("m", 2)
@@ -190,8 +190,8 @@ def test_a_changed_layout_gets_a_new_digest(changed: Any) -> None:
     assert v2.sources[1].tensors is v1.sources[1].tensors  # the other rank is unchanged
 
 
-def test_the_in_process_service_path_is_unchanged() -> None:
-    service = CatalogService()
+def test_the_in_process_service_path_is_unchanged(make_service) -> None:
+    service = make_service()
     publish(service, "m", 1)
     info = service.get_version("m")
     assert info.sources == (rank(0), rank(1))  # digests take no part in equality
@@ -362,8 +362,8 @@ def test_a_disabled_cache_always_fetches_everything(server: CatalogServer, model
         CatalogClient(server.address, manifest_cache_versions=-1)
 
 
-def test_an_omission_nobody_asked_for_is_an_error_not_partial_data() -> None:
-    service = CatalogService()
+def test_an_omission_nobody_asked_for_is_an_error_not_partial_data(make_service) -> None:
+    service = make_service()
     publish(service, "m", 1)
     manifest = service.get_manifest("m")
     digest = manifest.sources[0].layout_digest
@@ -380,9 +380,9 @@ def test_an_omission_nobody_asked_for_is_an_error_not_partial_data() -> None:
         convert.source_from_proto(wire)
 
 
-def test_the_manifest_cache_is_bounded_by_models() -> None:
+def test_the_manifest_cache_is_bounded_by_models(make_service) -> None:
     cache = ManifestCache(versions=2, models=2)
-    service = CatalogService()
+    service = make_service()
     for name in ("a", "b", "c"):
         publish(service, name, 1)
         cache.remember(name, service.get_version(name))
@@ -400,8 +400,8 @@ class _Unwalkable(tuple[TensorDescriptor, ...]):
         raise AssertionError("the layout key walked the descriptors")
 
 
-def test_the_layout_key_uses_digests_and_walks_only_without_them() -> None:
-    service = CatalogService()
+def test_the_layout_key_uses_digests_and_walks_only_without_them(make_service) -> None:
+    service = make_service()
     publish(service, "m", 1)
     publish(service, "m", 2)
     publish(service, "m", 3, (rank(0), rank(1, bump=3)))

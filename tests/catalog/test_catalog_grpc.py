@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import STORES, build_store
 from catalog_factories import FakeClock, desc, publish_ready, source, tp_source
 
 from mx_refit.catalog import (
@@ -49,10 +50,11 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture(scope="module")
-def server(clock: FakeClock) -> Iterator[CatalogServer]:
-    """One token-protected server for the module; tests use distinct model names."""
-    with CatalogServer(token=TOKEN, service=CatalogService(clock=clock)) as srv:
+@pytest.fixture(scope="module", params=STORES)
+def server(clock: FakeClock, request: pytest.FixtureRequest) -> Iterator[CatalogServer]:
+    """One token-protected server per store for the module; tests use distinct model names."""
+    service = CatalogService(store=build_store(request.param, request, clock))
+    with CatalogServer(token=TOKEN, service=service) as srv:
         yield srv
 
 
@@ -115,13 +117,13 @@ def test_full_cycle_matches_the_embedded_service(
     assert client.list_versions(model)[0].state is VersionState.RETIRED
 
 
-def test_embedded_and_remote_normalise_json_data_alike(
+def test_embedded_and_remote_normalise_json_data_alike(make_service, 
     server: CatalogServer, client: CatalogClient, model: str
 ) -> None:
     extras = {"groups": (8, 128), "role": Role.COLUMN, "nested": {"t": (1.5, None)}}
     normalised = {"groups": [8, 128], "role": "column", "nested": {"t": [1.5, None]}}
     client.register_source(model, 1, 1, source(tensors=(desc(extras=extras),), ready=True))
-    embedded = CatalogService()
+    embedded = make_service()
     embedded.register_source(model, 1, 1, source(tensors=(desc(extras=extras),), ready=True))
     for info in (client.get_version(model), embedded.get_version(model)):
         assert info.sources[0].tensors[0].extras == normalised
@@ -303,9 +305,9 @@ def test_wait_drained_times_out(client: CatalogClient, model: str) -> None:
     assert 0.15 < time.monotonic() - start < 3
 
 
-def test_reaper_thread_expires_leases_and_wakes_waiters() -> None:
+def test_reaper_thread_expires_leases_and_wakes_waiters(make_service) -> None:
     clock = FakeClock()  # not the module's: advancing it must not age the shared server
-    service = CatalogService(clock=clock)
+    service = make_service(clock=clock)
     with (
         CatalogServer(service=service, reap_interval_s=0.02) as srv,
         CatalogClient(srv.address) as cl,

@@ -36,8 +36,8 @@ def read(catalog, model: str, version: int, reader: str, *, completed: bool = Tr
 
 
 @pytest.fixture
-def grpc_catalog() -> Iterator[tuple[CatalogServer, CatalogClient]]:
-    with CatalogServer(service=CatalogService()) as srv, CatalogClient(srv.address, timeout_s=10) as cl:
+def grpc_catalog(make_service) -> Iterator[tuple[CatalogServer, CatalogClient]]:
+    with CatalogServer(service=make_service()) as srv, CatalogClient(srv.address, timeout_s=10) as cl:
         yield srv, cl
 
 

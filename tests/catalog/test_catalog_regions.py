@@ -31,8 +31,8 @@ def test_regions_round_trip_through_proto():
     assert source_from_proto(source_to_proto(source)).regions == ((4096, 16), (4112, 16))
 
 
-def test_registered_source_keeps_its_regions():
-    service = CatalogService()
+def test_registered_source_keeps_its_regions(make_service):
+    service = make_service()
     service.register_source("m", 1, 1, dataclasses.replace(_source(((4112, 16), (4096, 16))), ready=True))
     assert service.get_version("m", 1).sources[0].regions == ((4096, 16), (4112, 16))
 
@@ -45,8 +45,8 @@ def test_registered_source_keeps_its_regions():
         ((("x", 16),), r"regions\[0\]: expected \(addr, nbytes\) integers"),
     ],
 )
-def test_bad_regions_are_rejected_and_change_nothing(regions, message):
-    service = CatalogService()
+def test_bad_regions_are_rejected_and_change_nothing(make_service, regions, message):
+    service = make_service()
     with pytest.raises(InvalidArgument, match=message):
         service.register_source("m", 1, 1, _source(regions))
     assert service.list_versions("m") == []

@@ -320,8 +320,8 @@ def test_wait_drained_wakes_when_the_reaper_expires_the_last_lease(
     assert result == [True]
 
 
-def test_wait_drained_with_a_real_clock_notices_lease_expiry_without_a_reaper() -> None:
-    service = CatalogService()
+def test_wait_drained_with_a_real_clock_notices_lease_expiry_without_a_reaper(make_service) -> None:
+    service = make_service()
     publish_ready(service, "m", 1)
     service.acquire_lease("m", 1, "r", ttl_s=0.1)
     service.retire_version("m", 1)
@@ -420,14 +420,14 @@ def test_heartbeats_do_not_grow_the_deadline_heap(
     for _ in range(500):
         clock.advance(1)
         service.heartbeat(source_ids=["tp0", "tp1"], lease_ids=[lease])
-    assert len(service._deadlines) <= 3  # one entry per record, not per heartbeat
+    assert service.store.run(lambda txn: len(txn.state.deadlines)) <= 3  # one entry per record, not per heartbeat
 
 
 # --- history ---------------------------------------------------------------------------------
 
 
-def test_old_terminal_versions_are_forgotten_beyond_the_history(clock: FakeClock) -> None:
-    service = CatalogService(clock=clock, history=2)
+def test_old_terminal_versions_are_forgotten_beyond_the_history(make_service, clock: FakeClock) -> None:
+    service = make_service(clock=clock, history=2)
     for version in range(1, 7):
         publish_ready(service, "m", version)
         if version < 6:

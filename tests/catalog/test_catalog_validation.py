@@ -15,9 +15,9 @@ from mx_refit.types import MeshPosition, Role, SourceInfo
 
 
 @pytest.fixture
-def seeded(clock: FakeClock) -> CatalogService:
+def seeded(make_service, clock: FakeClock) -> CatalogService:
     """A catalog holding one READY version (1) and one PENDING version (2, tp0 of 2)."""
-    service = CatalogService(clock=clock)
+    service = make_service(clock=clock)
     publish_ready(service, "m", 1, sidecar={"arch": "dense", "hf_name_map": {"a": "b"}})
     service.register_source("m", 2, 2, tp_source(0, 2), {"arch": "dense"})
     return service
@@ -314,8 +314,8 @@ def test_agent_metadata_limit_is_16_mib(seeded: CatalogService) -> None:
     )
 
 
-def test_descriptor_and_sidecar_limits(clock: FakeClock) -> None:
-    service = CatalogService(
+def test_descriptor_and_sidecar_limits(make_service, clock: FakeClock) -> None:
+    service = make_service(
         clock=clock, limits=CatalogLimits(max_descriptors_per_source=3, max_sidecar_bytes=32)
     )
     service.register_source("m", 1, 2, tp_source(0, 2))

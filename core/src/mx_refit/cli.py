@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the token on the command line (visible in `ps`; prefer MX_REFIT_TOKEN or --token-file)")
     serve.add_argument("--metrics-port", type=_port, default=None,
                        help="also serve Prometheus metrics on this port (needs `mx-refit[metrics]`)")
+    serve.add_argument("--store", default="memory", metavar="URL",
+                       help="where the catalog keeps its state: memory (default) or redis://HOST:PORT/DB "
+                            "(kept across restarts, shared by several serve processes; needs `mx-refit[redis]`)")
     serve.add_argument("--json", action="store_true", help="print where it listens as one JSON line")
 
     # verify's arguments are a stable public contract kept next to it (imports nothing heavy)
@@ -158,7 +161,10 @@ def _serve(args: argparse.Namespace) -> int:
     import json
 
     from mx_refit.catalog.server import serve_forever
+    from mx_refit.catalog.store import check_store_url
     from mx_refit.errors import InvalidArgument
+
+    check_store_url(args.store, "--store")
 
     token = args.token
     if args.token_file:
@@ -178,10 +184,11 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             metrics = f"; metrics on {info['metrics']}" if info["metrics"] else ""
             auth = "bearer token required" if info["token"] else "no token"
-            print(f"mx-refit catalog listening on {info['address']} ({auth}; gRPC health service on){metrics}",
-                  flush=True)
+            print(f"mx-refit catalog listening on {info['address']} ({auth}; gRPC health service on; "
+                  f"store {info['store']}){metrics}", flush=True)
 
-    serve_forever(args.host, args.port, token=token, metrics_port=args.metrics_port, on_listening=announce)
+    serve_forever(args.host, args.port, token=token, metrics_port=args.metrics_port, on_listening=announce,
+                  store=args.store)
     return EXIT_OK
 
 

@@ -56,6 +56,9 @@ class CatalogConfig:
     port: int = 0  # embedded: 0 picks a free port
     advertise_host: str | None = None  # embedded: the host name clients dial (default: a routable one)
     token: str | None = None
+    # embedded: where the catalog keeps its state, memory or redis://HOST:PORT/DB (kept across
+    # restarts, shared with `mx-refit serve --store` processes on the same Redis)
+    store: str = "memory"
 
 
 @dataclass
@@ -101,6 +104,9 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
             raise InvalidArgument(f"weight_sync.catalog.address: {cfg.catalog.address!r} (expected host:port)")
     if not 0 <= cfg.catalog.port < 65536:
         raise InvalidArgument(f"weight_sync.catalog.port: {cfg.catalog.port} out of range")
+    from mx_refit.catalog.store import check_store_url
+
+    check_store_url(cfg.catalog.store, "weight_sync.catalog.store")
     for i, name in enumerate(cfg.plugins):
         if not isinstance(name, str) or not name.strip():
             raise InvalidArgument(f"weight_sync.plugins[{i}]: {name!r} (expected a plugin name)")

@@ -124,6 +124,7 @@ EXTRA_OF_MODULE = {
     "hydra": "recipes",
     "omegaconf": "recipes",
     "prometheus_client": "metrics",
+    "redis": "redis",
 }
 
 

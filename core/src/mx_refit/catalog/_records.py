@@ -24,6 +24,7 @@ __all__ = [
     "Manifest",
     "SourceLife",
     "TensorIndex",
+    "TRANSIENT",
     "Timed",
     "VersionRecord",
     "check_tensors_agree",
@@ -32,6 +33,10 @@ __all__ = [
     "republishable",
 ]
 
+# Field metadata of state that is a cache or an index: stores do not keep it, and the class's
+# ``__post_load__`` rebuilds it after a load (see mx_refit.catalog.store.codec).
+TRANSIENT: dict[str, Any] = {"transient": True}
+
 
 @dataclass(eq=False)
 class Timed:
@@ -39,7 +44,7 @@ class Timed:
 
     ttl_s: float
     expires_at: float
-    heap_at: float = float("inf")
+    heap_at: float = field(default=float("inf"), metadata=TRANSIENT)
     dead: bool = False
 
 
@@ -114,7 +119,7 @@ class VersionRecord:
     sidecar: dict[str, Any] = field(default_factory=dict)  # merged
     sidecar_text: str | None = None  # cached JSON of ``sidecar``; None after every change
     sidecar_digest: str = ""  # digest of ``sidecar_text`` (valid while that is not None)
-    tensors: TensorIndex = field(default_factory=dict)
+    tensors: TensorIndex = field(default_factory=dict, metadata=TRANSIENT)  # from ``sources``
     leases: dict[str, LeaseRecord] = field(default_factory=dict)
     expected_readers: int = 0  # 0: completed reads are not tracked
     completed_readers: set[str] = field(default_factory=set)  # reader ids, each counted once
@@ -142,6 +147,10 @@ class VersionRecord:
     @property
     def label(self) -> str:
         return f"model {self.model!r} version {self.version}"
+
+    def __post_load__(self) -> None:
+        for source in self.sources.values():
+            index_tensors(self.tensors, source)
 
     def read_progress(self) -> ReadProgress:
         return ReadProgress(
@@ -216,26 +225,26 @@ def republishable(rec: VersionRecord, predecessor: SourceLife | None) -> bool:
     )
 
 
+@dataclass(eq=False)
 class EndedLeases:
     """Recently ended leases (id -> how and when it ended, its TTL), bounded: a reader learns why
     its lease is gone, and a retried release of a released lease is a no-op rather than an
     ambiguous NotFound. A lease unknown here was never acquired, or the catalog restarted."""
 
-    def __init__(self, keep: int = 65536) -> None:
-        self._keep = keep
-        self._ended: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+    keep: int = 65536
+    ended: OrderedDict[str, tuple[str, float, float]] = field(default_factory=OrderedDict)
 
     def add(self, lease: LeaseRecord, how: str, at: float) -> None:
-        self._ended[lease.lease_id] = (how, at, lease.ttl_s)
-        if len(self._ended) > self._keep:
-            self._ended.popitem(last=False)
+        self.ended[lease.lease_id] = (how, at, lease.ttl_s)
+        if len(self.ended) > self.keep:
+            self.ended.popitem(last=False)
 
     def released(self, lease_id: str) -> bool:
-        ended = self._ended.get(lease_id)
+        ended = self.ended.get(lease_id)
         return ended is not None and ended[0] == "released"
 
     def why_gone(self, lease_id: str, now: float) -> str:
-        ended = self._ended.get(lease_id)
+        ended = self.ended.get(lease_id)
         if ended is None:
             return (
                 f"{lease_id} is not known to this catalog: never acquired here, or the catalog "

@@ -19,7 +19,7 @@ import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from mx_refit.catalog.api import DEFAULT_TTL_S
 from mx_refit.catalog.validation import check_int, check_name, check_seconds, validate_source
@@ -27,10 +27,11 @@ from mx_refit.errors import FailedPrecondition, InvalidArgument, SourcesBusy
 from mx_refit.types import Mirror, SourceInfo, VersionState
 
 if TYPE_CHECKING:  # pragma: no cover
-    import threading
-
-    from mx_refit.catalog._records import Deadlines, SourceLife, VersionRecord
+    from mx_refit.catalog._records import SourceLife, VersionRecord
+    from mx_refit.catalog.store.base import CatalogState, CatalogStore, Txn
     from mx_refit.catalog.validation import CatalogLimits
+
+T = TypeVar("T")
 
 __all__ = ["ReplicaCatalog", "check_lease_sources", "validate_mirrors"]
 
@@ -111,15 +112,16 @@ class ReplicaCatalog:
     """The replica methods of :class:`~mx_refit.catalog.service.CatalogService` (same lock,
     same records; see the module docstring)."""
 
-    _cond: threading.Condition
-    _sources: dict[str, SourceLife]
-    _deadlines: Deadlines
-    _clock: Callable[[], float]
     limits: CatalogLimits
 
-    if TYPE_CHECKING:  # provided by CatalogService
-        def _reap_locked(self, now: float) -> float: ...
+    if TYPE_CHECKING:  # provided by CatalogCore
+        @property
+        def _st(self) -> CatalogState: ...
+        def _txn(self, body: Callable[[float], T]) -> T: ...
+        def _txn_now(self) -> Txn: ...
+        def _generation(self) -> int: ...
         def _record_locked(self, model: object, version: object) -> VersionRecord: ...
+        store: CatalogStore
 
     def register_replica(
         self, model: str, version: int, source: SourceInfo, ttl_s: float = DEFAULT_TTL_S
@@ -133,10 +135,11 @@ class ReplicaCatalog:
         ``FailedPrecondition`` (withdraw it first). ``ttl_s``: renewed by :meth:`heartbeat`
         like a source; when it lapses the replica is dropped (the version stays READY).
         """
-        clean = validate_source(source, self.limits)
+        validated = validate_source(source, self.limits)
         ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
-        with self._cond:
-            now = self._reap_locked(self._clock())
+
+        def body(now: float) -> None:
+            clean = validated  # a store may run this again: start from the validated source
             rec = self._record_locked(model, version)
             sid = clean.source_id
             if sid in rec.sources:
@@ -153,7 +156,7 @@ class ReplicaCatalog:
                         "contents; withdraw it first"
                     )
                 clean = replace(clean, ready=old.ready or clean.ready)
-            life = self._sources.get(sid)
+            life = self._st.sources.get(sid)
             if life is not None and life.versions:
                 raise InvalidArgument(f"source.source_id: {sid!r} is a live trainer source id; a replica needs its own")
             rec.withdrawn.discard(sid)
@@ -162,13 +165,15 @@ class ReplicaCatalog:
                 from mx_refit.catalog._records import SourceLife
 
                 life = SourceLife(ttl_s=ttl, expires_at=now + ttl, source_id=sid)
-                self._sources[sid] = life
-                self._deadlines.set(life, life.expires_at, new=True)
+                self._st.sources[sid] = life
+                self._st.deadlines.set(life, life.expires_at, new=True)
             else:
                 life.ttl_s = ttl
-                self._deadlines.set(life, now + ttl)
+                self._st.deadlines.set(life, now + ttl)
             life.replica_of.add((rec.model, rec.version))
-            self._cond.notify_all()
+            self._txn_now().notify()
+
+        self._txn(body)
 
     def withdraw_replica(self, model: str, version: int, source_id: str, timeout_s: float) -> bool:
         """Stop offering a replica (no new lease may name it) and wait, bounded (real time),
@@ -177,34 +182,40 @@ class ReplicaCatalog:
         source_id = check_name(source_id, "source_id")
         timeout = check_seconds(timeout_s, "timeout_s", maximum=self.limits.max_wait_s, allow_zero=True)
         deadline = time.monotonic() + timeout
-        with self._cond:
-            self._reap_locked(self._clock())
+
+        def check(now: float) -> tuple[bool, float, int]:
             try:
                 rec = self._record_locked(model, version)
             except LookupError:
-                return True  # forgotten with its leases: nobody can read it
+                return True, 0.0, 0  # forgotten with its leases: nobody can read it
             if source_id not in rec.replicas:
-                return True
+                return True, 0.0, 0
             rec.withdrawn.add(source_id)
-            while any(source_id in lease.sources for lease in rec.leases.values()):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                next_expiry = min(lease.expires_at for lease in rec.leases.values())
-                self._cond.wait(min(remaining, max(next_expiry - self._clock(), 0.001)))
-                self._reap_locked(self._clock())
-            self._drop_replica_locked(rec, source_id)
-            return True
+            reading = [lease for lease in rec.leases.values() if source_id in lease.sources]
+            if not reading:
+                self._drop_replica_locked(rec, source_id)
+                return True, 0.0, 0
+            next_expiry = min(lease.expires_at for lease in reading)
+            return False, max(next_expiry - now, 0.001), self._generation()
+
+        while True:
+            drained, until_expiry, generation = self._txn(check)
+            if drained:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.store.wait_for_change(generation, min(remaining, until_expiry))
 
     def _drop_replica_locked(self, rec: VersionRecord, source_id: str) -> None:
         rec.replicas.pop(source_id, None)
         rec.withdrawn.discard(source_id)
-        life = self._sources.get(source_id)
+        life = self._st.sources.get(source_id)
         if life is not None:
             life.replica_of.discard((rec.model, rec.version))
             if not life.replica_of and not life.versions:
                 life.dead = True
-                del self._sources[source_id]
+                del self._st.sources[source_id]
 
     def _expire_replica_locked(self, life: SourceLife, models: dict[str, dict[int, VersionRecord]]) -> None:
         """A replica's TTL lapsed: it is no longer offered (its version lives on)."""

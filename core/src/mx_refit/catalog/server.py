@@ -298,6 +298,7 @@ def start_catalog(
     advertise_host: str | None = None,
     token: str | None = None,
     config: Any = None,
+    store: str | None = None,
     **kwargs: Any,
 ) -> CatalogServer:
     """Start the embedded catalog in this process; returns it running (``.address``, ``.stop()``).
@@ -307,12 +308,20 @@ def start_catalog(
     :param advertise_host: what ``.address`` tells clients to dial; by default the bind host, or
         a routable address of this machine when binding every interface.
     :param token: when set, every call must carry it.
+    :param store: where the catalog keeps its state: ``memory`` (the default) or
+        ``redis://HOST:PORT/DB`` (kept across restarts, shared with other catalog processes).
     :param config: a :class:`~mx_refit.config.WeightSyncConfig`: ``catalog.host``, ``port``,
-        ``advertise_host`` and ``token`` fill in what is not passed, and ``catalog.address`` is
+        ``advertise_host``, ``token`` and ``store`` fill in what is not passed, and ``catalog.address`` is
         set to the started server's address, so the same config can be handed to every rank.
     ``kwargs`` go to :class:`CatalogServer`.
     """
     section = getattr(config, "catalog", None)
+    field = "store" if store is not None else "weight_sync.catalog.store"
+    store_url = store if store is not None else getattr(section, "store", "memory")
+    if store_url != "memory" and "service" not in kwargs:
+        from mx_refit.catalog.store import open_store
+
+        kwargs["service"] = CatalogService(store=open_store(store_url, field=field))
     server = CatalogServer(
         host=host if host is not None else getattr(section, "host", "127.0.0.1"),
         port=port if port is not None else getattr(section, "port", 0),
@@ -335,6 +344,7 @@ def serve_forever(
     grace_s: float = 5.0,
     metrics_port: int | None = None,
     on_listening: Callable[[dict[str, Any]], None] | None = None,
+    store: str = "memory",
 ) -> None:
     """Run a catalog server until SIGINT/SIGTERM (or ``stop_event``), then stop cleanly.
 
@@ -342,6 +352,10 @@ def serve_forever(
     ``{"address", "host", "port", "token", "health", "metrics"}`` (``token``: whether one is
     required; ``metrics``: the Prometheus URL with ``metrics_port``, else None). Signal handlers
     are installed only when called from the main thread, and restored on return.
+
+    ``store``: where the catalog keeps its state, ``memory`` (lost when the process ends) or
+    ``redis://HOST:PORT/DB`` (shared by every catalog process on it, kept across restarts; the
+    Redis server must be reachable at start). ``on_listening`` also gets ``"store"``.
     """
     if not 0 <= port <= 65535:
         raise InvalidArgument(f"port: {port} is out of range (0-65535; 0 picks a free port)")
@@ -351,7 +365,18 @@ def serve_forever(
         from mx_refit.metrics import require_prometheus
 
         require_prometheus()  # before binding anything: a missing extra is a clean error
-    server = CatalogServer(host, port, token, max_message_bytes).start()
+    from mx_refit.catalog.store import open_store
+
+    state_store = open_store(store, field="store")
+    try:
+        ping = getattr(state_store, "ping", None)
+        if ping is not None:
+            ping()  # an unreachable store is a clean error before anything binds
+        server = CatalogServer(host, port, token, max_message_bytes,
+                               service=CatalogService(store=state_store)).start()
+    except BaseException:
+        state_store.close()
+        raise
     metrics_server = None
     try:
         if metrics_port is not None:
@@ -380,7 +405,7 @@ def serve_forever(
     # the line must get a clean shutdown, not death by SIGTERM.
     if on_listening is not None:
         on_listening({"address": server.address, "host": host, "port": server.port, "token": token is not None,
-                      "health": "grpc.health.v1.Health", "metrics": metrics_url})
+                      "health": "grpc.health.v1.Health", "metrics": metrics_url, "store": state_store.url})
     try:
         stop.wait()
     finally:
@@ -389,4 +414,5 @@ def serve_forever(
         if metrics_server is not None:
             metrics_server.shutdown()
         server.stop(grace_s)
+        state_store.close()
         logger.info("mx-refit catalog on %s stopped", server.address)

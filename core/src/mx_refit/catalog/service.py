@@ -33,30 +33,25 @@ role, sidecar values) are ``InvalidArgument`` naming the field and both values.
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from mx_refit.catalog._records import (
-    Deadlines,
-    EndedLeases,
-    LeaseRecord,
     Manifest,
-    SourceLife,
     VersionRecord,
     check_tensors_agree,
     find_predecessor,
     index_tensors,
     republishable,
 )
-from mx_refit.catalog._replicas import ReplicaCatalog, check_lease_sources
+from mx_refit.catalog._replicas import ReplicaCatalog
+from mx_refit.catalog._transitions import LIVE, CatalogCore, check_ids, check_lookup
 from mx_refit.catalog.api import DEFAULT_TTL_S, LeasedVersion, ReadProgress, VersionSummary
-from mx_refit.catalog.digests import Layout, stamp_layout
+from mx_refit.catalog.digests import stamp_layout
+from mx_refit.catalog.store.base import Txn
 from mx_refit.catalog.validation import (
-    CatalogLimits,
     check_incarnations,
     check_int,
     check_name,
@@ -64,7 +59,6 @@ from mx_refit.catalog.validation import (
     describe_mesh,
     find_sidecar_conflict,
     merge_sidecar,
-    same_json,
     validate_sidecar,
     validate_source,
 )
@@ -73,8 +67,6 @@ from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
 __all__ = ["CatalogService", "ReapReport"]
 
-_LIVE = (VersionState.PENDING, VersionState.READY, VersionState.DRAINING)
-_TERMINAL = (VersionState.RETIRED, VersionState.EXPIRED)
 
 
 @dataclass(frozen=True)
@@ -86,7 +78,7 @@ class ReapReport:
     versions: tuple[tuple[str, int], ...] = ()  # (model, version) marked EXPIRED
 
 
-class CatalogService(ReplicaCatalog):
+class CatalogService(ReplicaCatalog, CatalogCore):
     """Thread-safe catalog state machine (see the module docstring and docs/design.md).
 
     :param clock: monotonic seconds used for every TTL (inject a fake clock in tests); waits in
@@ -96,37 +88,18 @@ class CatalogService(ReplicaCatalog):
         ones without live leases are forgotten.
     """
 
-    def __init__(
-        self,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        limits: CatalogLimits | None = None,
-        history: int = 4,
-    ) -> None:
-        if history < 0:
-            raise ValueError(f"history must be >= 0, got {history}")
-        self._clock = clock
-        self.limits = limits or CatalogLimits()
-        self._history = history
-        self._cond = threading.Condition(threading.Lock())
-        self._models: dict[str, dict[int, VersionRecord]] = {}
-        self._sources: dict[str, SourceLife] = {}
-        self._leases: dict[str, LeaseRecord] = {}
-        self._deadlines = Deadlines()
-        self._ended_leases = EndedLeases()
-        # Each live source id's last registered layout: a republished identical layout reuses
-        # its descriptor tuple and digest instead of being hashed again.
-        self._layouts: dict[str, Layout] = {}
-
     def counts(self) -> dict[str, Any]:
         """Point-in-time sizes for monitoring: models, versions by state, live sources and leases."""
-        with self._cond:
+
+        def body(now: float) -> dict[str, Any]:
             by_state = {state.name: 0 for state in VersionState}
-            for versions in self._models.values():
+            for versions in self._st.models.values():
                 for rec in versions.values():
                     by_state[rec.state.name] += 1
-            return {"models": len(self._models), "versions": by_state, "sources": len(self._sources),
-                    "leases": len(self._leases)}
+            return {"models": len(self._st.models), "versions": by_state,
+                    "sources": len(self._st.sources), "leases": len(self._st.leases)}
+
+        return self._txn(body)
 
     # --- publisher side -------------------------------------------------------------------
 
@@ -171,13 +144,11 @@ class CatalogService(ReplicaCatalog):
         src = validate_source(source, self.limits)
         extra = validate_sidecar(sidecar, self.limits)
         sid = src.source_id
-        with self._cond:
-            previous = self._layouts.get(sid)
+        previous = self.store.run(lambda txn: txn.state.layouts.get(sid))
         src, layout = stamp_layout(src, previous)  # outside the lock, like validation
-        with self._cond:
-            now = self._reap_locked(self._clock())
-            predecessor = find_predecessor(self._sources, src)
-            rec = self._models.get(model, {}).get(version)
+        def body(now: float) -> Any:
+            predecessor = find_predecessor(self._st.sources, src)
+            rec = self._st.models.get(model, {}).get(version)
             if rec is not None and republishable(rec, predecessor):
                 rec = None  # a dead version's number: published afresh
             if rec is None:
@@ -199,7 +170,7 @@ class CatalogService(ReplicaCatalog):
             if (
                 old is not None
                 and predecessor is None
-                and rec.state in _LIVE
+                and rec.state in LIVE
                 and self._same_registration(rec, old, src, extra)
             ):
                 if src.ready and not old.ready and rec.state is VersionState.PENDING:
@@ -244,29 +215,31 @@ class CatalogService(ReplicaCatalog):
                 # PENDING, keeps the other ranks' registrations and takes the new one).
                 self._expire_source_locked(predecessor, spare=rec)
             if is_new:
-                self._models.setdefault(model, {})[version] = rec
+                self._st.models.setdefault(model, {})[version] = rec
             rec.tensors, rec.sidecar = index, merged
             index_tensors(rec.tensors, src)
             merge_sidecar(rec.sidecar, extra)
             rec.sidecar_text = None
             rec.sources[sid] = src
             rec.sidecars[sid] = extra
-            self._layouts[sid] = layout
+            self._st.layouts[sid] = layout
             self._touch_source_locked(sid, ttl, now, rec, src.incarnation)
             self._maybe_ready_locked(rec)
             return rec.state
+
+        return self._txn(body)
 
     def mark_ready(self, model: str, version: int, source_id: str) -> VersionState:
         """Mark a registered source ready; the version becomes READY once every expected source
         is registered and ready. Idempotent; returns the version's state afterwards."""
         source_id = check_name(source_id, "source_id")
-        with self._cond:
-            now = self._reap_locked(self._clock())
+        def body(now: float) -> Any:
             rec = self._record_locked(model, version)
             src = rec.sources.get(source_id)
             replica = rec.replicas.get(source_id)
             if src is None and replica is not None and source_id not in rec.withdrawn:
                 rec.replicas[source_id] = replace(replica, ready=True)  # offered from now on
+                self._txn_now().notify()
                 return rec.state
             if src is None:
                 raise NotFound(
@@ -280,10 +253,12 @@ class CatalogService(ReplicaCatalog):
                 raise FailedPrecondition(
                     f"{rec.label} is {rec.state.value}; source {source_id!r} cannot be marked ready"
                 )
-            life = self._sources.get(source_id)
+            life = self._st.sources.get(source_id)
             if life is not None:  # a sign of life: renew
-                self._deadlines.set(life, now + life.ttl_s)
+                self._st.deadlines.set(life, now + life.ttl_s)
             return rec.state
+
+        return self._txn(body)
 
     def heartbeat(
         self,
@@ -299,37 +274,38 @@ class CatalogService(ReplicaCatalog):
         incarnation the caller registered them with: a source now held by another incarnation
         (the caller was replaced by a restarted rank) is ``FailedPrecondition``.
         """
-        sources = _ids(source_ids, "source_ids")
-        leases = _ids(lease_ids, "lease_ids")
+        sources = check_ids(source_ids, "source_ids")
+        leases = check_ids(lease_ids, "lease_ids")
         claimed = check_incarnations(incarnations)
-        with self._cond:
-            now = self._reap_locked(self._clock())
+        def body(now: float) -> Any:
             replaced = [
-                f"{sid!r} (registered by incarnation {self._sources[sid].incarnation!r}, "
+                f"{sid!r} (registered by incarnation {self._st.sources[sid].incarnation!r}, "
                 f"not {claimed[sid]!r})"
                 for sid in sources
-                if sid in claimed and sid in self._sources
-                and self._sources[sid].incarnation not in ("", claimed[sid])
+                if sid in claimed and sid in self._st.sources
+                and self._st.sources[sid].incarnation not in ("", claimed[sid])
             ]
             if replaced:
                 raise FailedPrecondition(
                     f"heartbeat: source_ids {', '.join(replaced)} were replaced by a restarted "
                     "rank; nothing was renewed"
                 )
-            missing_sources = [s for s in sources if s not in self._sources]
-            missing_leases = [s for s in leases if s not in self._leases]
+            missing_sources = [s for s in sources if s not in self._st.sources]
+            missing_leases = [s for s in leases if s not in self._st.leases]
             if missing_sources or missing_leases:
                 parts = []
                 if missing_sources:
                     parts.append(f"source_ids {missing_sources}")
                 if missing_leases:
-                    why = "; ".join(self._ended_leases.why_gone(lease, now) for lease in missing_leases)
+                    why = "; ".join(self._st.ended_leases.why_gone(lease, now) for lease in missing_leases)
                     parts.append(f"lease_ids {missing_leases} ({why})")
                 raise NotFound(
                     f"heartbeat: unknown or expired {' and '.join(parts)}; nothing was renewed"
                 )
-            for timed in [*(self._sources[s] for s in sources), *(self._leases[s] for s in leases)]:
-                self._deadlines.set(timed, now + timed.ttl_s)
+            for timed in [*(self._st.sources[s] for s in sources), *(self._st.leases[s] for s in leases)]:
+                self._st.deadlines.set(timed, now + timed.ttl_s)
+
+        return self._txn(body)
 
     def retire_version(self, model: str, version: int) -> VersionState:
         """Stop offering a version: no new leases from now on. Idempotent.
@@ -338,13 +314,14 @@ class CatalogService(ReplicaCatalog):
         remains (immediately when there is none). DRAINING, RETIRED and EXPIRED versions are
         left as they are. Returns the state afterwards.
         """
-        with self._cond:
-            self._reap_locked(self._clock())
+        def body(now: float) -> Any:
             rec = self._record_locked(model, version)
             if rec.state in (VersionState.PENDING, VersionState.READY):
                 rec.state = VersionState.DRAINING
                 self._settle_locked(rec)
             return rec.state
+
+        return self._txn(body)
 
     def wait_drained(self, model: str, version: int, timeout_s: float) -> bool:
         """Block until a retired (or expired) version has no live lease; False on timeout.
@@ -358,23 +335,29 @@ class CatalogService(ReplicaCatalog):
             timeout_s, "timeout_s", maximum=self.limits.max_wait_s, allow_zero=True
         )
         deadline = time.monotonic() + timeout
-        with self._cond:
-            self._reap_locked(self._clock())
+
+        def check(now: float) -> tuple[bool, float, int]:
             rec = self._record_locked(model, version)
             if rec.state in (VersionState.PENDING, VersionState.READY):
                 raise FailedPrecondition(
                     f"{rec.label} is {rec.state.value}; retire it before waiting for it to drain"
                 )
-            while holding := rec.trainer_leases():  # replica-only readers do not hold it up
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                # Wake at the next lease expiry too (exact with a real clock); releases and the
-                # reaper notify the condition.
-                next_expiry = min(lease.expires_at for lease in holding)
-                self._cond.wait(min(remaining, max(next_expiry - self._clock(), 0.001)))
-                self._reap_locked(self._clock())
-            return True
+            holding = rec.trainer_leases()  # replica-only readers do not hold it up
+            if not holding:
+                return True, 0.0, 0
+            # Wake at the next lease expiry too (exact with a real clock).
+            next_expiry = min(lease.expires_at for lease in holding)
+            return False, max(next_expiry - now, 0.001), self._generation()
+
+        while True:
+            drained, until_expiry, generation = self._txn(check)
+            if drained:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            # Releases, expiries and the reaper notify (in any catalog process on the store).
+            self.store.wait_for_change(generation, min(remaining, until_expiry))
 
     # --- reader side ----------------------------------------------------------------------
 
@@ -394,17 +377,20 @@ class CatalogService(ReplicaCatalog):
     ) -> Manifest:
         """:meth:`get_version` for transports: the sidecar stays canonical JSON text, with the
         version's digests, so a server can send it (or leave it out) without decoding it."""
-        version, min_version = _check_lookup(version, min_version)
-        with self._cond:
-            self._reap_locked(self._clock())
+        version, min_version = check_lookup(version, min_version)
+
+        def body(now: float) -> Manifest:
             return self._ready_record_locked(model, version, min_version).manifest()
+
+        return self._txn(body)
 
     def inspect_version(self, model: str, version: int) -> VersionInfo:
         """A version's manifest in whatever state it is (diagnostics; readers use
         :meth:`get_version`, which only offers READY versions)."""
-        with self._cond:
-            self._reap_locked(self._clock())
-            manifest = self._record_locked(model, version).manifest()
+        def body(now: float) -> Any:
+            return self._record_locked(model, version).manifest()
+
+        manifest: Manifest = self._txn(body)
         return manifest.version_info()
 
     def list_versions(self, model: str) -> list[VersionSummary]:
@@ -414,8 +400,7 @@ class CatalogService(ReplicaCatalog):
         ``NotFound``: "no versions" is a valid answer to a listing.
         """
         model = check_name(model, "model")
-        with self._cond:
-            self._reap_locked(self._clock())
+        def body(now: float) -> Any:
             return [
                 VersionSummary(
                     model=rec.model,
@@ -428,8 +413,10 @@ class CatalogService(ReplicaCatalog):
                     expected_readers=rec.expected_readers,
                     completed_reads=len(rec.completed_readers),
                 )
-                for _, rec in sorted(self._models.get(model, {}).items())
+                for _, rec in sorted(self._st.models.get(model, {}).items())
             ]
+
+        return self._txn(body)
 
     def acquire_lease(
         self,
@@ -457,10 +444,11 @@ class CatalogService(ReplicaCatalog):
         ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
         if lease_id is not None:
             lease_id = check_name(lease_id, "lease_id")
-        with self._cond:
-            now = self._reap_locked(self._clock())
+        def body(now: float) -> str:
             rec = self._record_locked(model, version)
             return self._lease_locked(rec, reader_id, ttl, lease_id, now, sources, max_readers_per_source)
+
+        return self._txn(body)
 
     def lease_version(
         self,
@@ -492,14 +480,14 @@ class CatalogService(ReplicaCatalog):
     ) -> tuple[Manifest, str]:
         """:meth:`lease_version` for transports: the manifest as :meth:`get_manifest` gives it,
         and the lease id."""
-        version, min_version = _check_lookup(version, min_version)
+        version, min_version = check_lookup(version, min_version)
         reader_id = check_name(reader_id, "reader_id")
         ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
         if lease_id is not None:
             lease_id = check_name(lease_id, "lease_id")
-        with self._cond:
-            now = self._reap_locked(self._clock())
-            existing = self._leases.get(lease_id) if lease_id else None
+
+        def body(now: float) -> tuple[Manifest, str]:
+            existing = self._st.leases.get(lease_id) if lease_id else None
             held = existing.record if existing is not None else None
             if held is not None and held.model == model and version in (None, held.version):
                 rec = held  # a retry: the version this lease was taken on
@@ -507,44 +495,7 @@ class CatalogService(ReplicaCatalog):
                 rec = self._ready_record_locked(model, version, min_version)
             return rec.manifest(), self._lease_locked(rec, reader_id, ttl, lease_id, now, (), 0)
 
-    def _lease_locked(
-        self,
-        rec: VersionRecord,
-        reader_id: str,
-        ttl: float,
-        lease_id: str | None,
-        now: float,
-        sources: Sequence[str],
-        max_readers_per_source: int,
-    ) -> str:
-        existing = self._leases.get(lease_id) if lease_id else None
-        if existing is not None:
-            if existing.record is not rec or existing.reader_id != reader_id:
-                held = existing.record
-                raise InvalidArgument(
-                    f"lease_id: {lease_id!r} is already held by reader {existing.reader_id!r} "
-                    f"on {held.label if held else 'another version'}"
-                )
-            existing.ttl_s = ttl
-            self._deadlines.set(existing, now + ttl)
-            return existing.lease_id
-        if rec.state is not VersionState.READY:
-            raise FailedPrecondition(
-                f"{rec.label} is {rec.state.value}; only READY versions can be leased"
-            )
-        names, _ = check_lease_sources(rec, sources, max_readers_per_source)
-        lease = LeaseRecord(
-            ttl_s=ttl,
-            expires_at=now + ttl,
-            lease_id=lease_id or uuid.uuid4().hex,
-            reader_id=reader_id,
-            record=rec,
-            sources=names,
-        )
-        self._leases[lease.lease_id] = lease
-        rec.leases[lease.lease_id] = lease
-        self._deadlines.set(lease, lease.expires_at, new=True)
-        return lease.lease_id
+        return self._txn(body)
 
     def release_lease(self, lease_id: str, completed: bool = False) -> None:
         """Release a live lease. Releasing it again is a no-op (a retry after a lost reply).
@@ -559,19 +510,20 @@ class CatalogService(ReplicaCatalog):
         lease_id = check_name(lease_id, "lease_id")
         if not isinstance(completed, bool):
             raise InvalidArgument(f"completed: must be a bool, got {completed!r}")
-        with self._cond:
-            now = self._reap_locked(self._clock())
-            lease = self._leases.get(lease_id)
+        def body(now: float) -> Any:
+            lease = self._st.leases.get(lease_id)
             if lease is None:
-                if self._ended_leases.released(lease_id):
+                if self._st.ended_leases.released(lease_id):
                     return
                 raise NotFound(
                     f"lease_id: unknown or expired lease {lease_id!r} "
-                    f"({self._ended_leases.why_gone(lease_id, now)})"
+                    f"({self._st.ended_leases.why_gone(lease_id, now)})"
                 )
             if completed and lease.record is not None:
                 lease.record.completed_readers.add(lease.reader_id)
             self._drop_lease_locked(lease, "released", now)  # notifies wait_read and wait_drained waiters
+
+        return self._txn(body)
 
     def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:
         """Block (bounded, real time) until every expected reader completed a read of
@@ -584,212 +536,45 @@ class CatalogService(ReplicaCatalog):
             timeout_s, "timeout_s", maximum=self.limits.max_wait_s, allow_zero=True
         )
         deadline = time.monotonic() + timeout
-        with self._cond:
-            self._reap_locked(self._clock())
+
+        def check(now: float) -> tuple[ReadProgress, int]:
             rec = self._record_locked(model, version)
             if rec.expected_readers == 0:
                 raise FailedPrecondition(
                     f"{rec.label} was registered without expected_readers; reads are not counted"
                 )
-            while not (progress := rec.read_progress()).done:
-                if rec.state is VersionState.EXPIRED and not rec.leases:
-                    raise FailedPrecondition(
-                        f"{rec.label} is EXPIRED with {progress.describe()}; the rest can "
-                        "never read it"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)  # releases, expiries and the reaper notify
-                self._reap_locked(self._clock())
-            return progress
+            progress = rec.read_progress()
+            if not progress.done and rec.state is VersionState.EXPIRED and not rec.leases:
+                raise FailedPrecondition(
+                    f"{rec.label} is EXPIRED with {progress.describe()}; the rest can never read it"
+                )
+            return progress, self._generation()
+
+        while True:
+            progress, generation = self._txn(check)
+            remaining = deadline - time.monotonic()
+            if progress.done or remaining <= 0:
+                return progress
+            self.store.wait_for_change(generation, remaining)  # releases, expiries, the reaper
 
     # --- maintenance ----------------------------------------------------------------------
 
     def reap(self) -> ReapReport:
         """Expire every lease and source whose TTL has lapsed; wake drain waiters."""
-        with self._cond:
-            report: dict[str, list[Any]] = {"leases": [], "sources": [], "versions": []}
-            self._reap_locked(self._clock(), report)
-            return ReapReport(
-                leases=tuple(report["leases"]),
-                sources=tuple(report["sources"]),
-                versions=tuple(report["versions"]),
-            )
+        report: dict[str, list[Any]] = {"leases": [], "sources": [], "versions": []}
 
-    # --- internals (all called with the lock held) ---------------------------------------
+        def run(txn: Txn) -> None:
+            self._t = txn
+            try:
+                for values in report.values():
+                    values.clear()  # a store may run this again on a fresher state
+                self._reap_locked(txn.now, report)
+            finally:
+                self._t = None
 
-    def _ready_record_locked(self, model: str, version: int | None, min_version: int) -> VersionRecord:
-        """The exact READY ``version``, or the newest READY one >= ``min_version`` (checked)."""
-        if version is not None:
-            rec = self._record_locked(model, version)
-            if rec.state is not VersionState.READY:
-                raise FailedPrecondition(f"{rec.label} is {rec.state.value}, not READY")
-        else:
-            versions = self._versions_locked(model)
-            ready = [
-                r
-                for r in versions.values()
-                if r.state is VersionState.READY and r.version >= min_version
-            ]
-            if not ready:
-                known = ", ".join(
-                    f"{v} {versions[v].state.value}" for v in sorted(versions)[-8:]
-                )
-                raise NotFound(
-                    f"model {model!r} has no READY version >= {min_version} "
-                    f"(known: {known or 'none'})"
-                )
-            rec = max(ready, key=lambda r: r.version)
-        return rec
-
-    def _versions_locked(self, model: object) -> dict[int, VersionRecord]:
-        model = check_name(model, "model")
-        versions = self._models.get(model)
-        if versions is None:
-            known = ", ".join(sorted(self._models)[:8])
-            raise NotFound(f"model: unknown model {model!r} (known: {known or 'none'})")
-        return versions
-
-    def _record_locked(self, model: object, version: object) -> VersionRecord:
-        version = check_int(version, "version", minimum=0)
-        versions = self._versions_locked(model)
-        rec = versions.get(version)
-        if rec is None:
-            known = ", ".join(str(v) for v in sorted(versions)[-8:])
-            raise NotFound(
-                f"version: model {model!r} has no version {version} (known: {known or 'none'})"
-            )
-        return rec
-
-    @staticmethod
-    def _same_registration(
-        rec: VersionRecord, old: SourceInfo, new: SourceInfo, sidecar: dict[str, Any]
-    ) -> bool:
-        # Digests first: type-strict on extras, and cheap to compare.
-        return (
-            new.layout_digest == old.layout_digest
-            and replace(new, ready=old.ready) == old
-            and same_json(rec.sidecars[old.source_id], sidecar)
+        self.store.run(run)
+        return ReapReport(
+            leases=tuple(report["leases"]),
+            sources=tuple(report["sources"]),
+            versions=tuple(report["versions"]),
         )
-
-    def _maybe_ready_locked(self, rec: VersionRecord) -> None:
-        if (
-            rec.state is VersionState.PENDING
-            and len(rec.sources) == rec.expected_sources
-            and all(s.ready for s in rec.sources.values())
-        ):
-            rec.state = VersionState.READY
-            # Encode and hash the sidecar now, on the publisher's call: otherwise the first
-            # reader of every version pays it inside its refit (14 ms for a 2,400-tensor MoE).
-            rec.manifest()
-
-    def _touch_source_locked(
-        self, source_id: str, ttl: float, now: float, rec: VersionRecord, incarnation: str = ""
-    ) -> None:
-        life = self._sources.get(source_id)
-        if life is None:
-            life = SourceLife(
-                ttl_s=ttl, expires_at=now + ttl, source_id=source_id, incarnation=incarnation
-            )
-            self._sources[source_id] = life
-            self._deadlines.set(life, life.expires_at, new=True)
-        else:
-            life.ttl_s = ttl
-            life.incarnation = life.incarnation or incarnation
-            self._deadlines.set(life, now + ttl)
-        life.versions.add((rec.model, rec.version))
-
-    def _reap_locked(self, now: float, report: dict[str, list[Any]] | None = None) -> float:
-        for timed in self._deadlines.expired(now):
-            if isinstance(timed, LeaseRecord):
-                self._drop_lease_locked(timed, "expired", timed.expires_at)
-                if report is not None:
-                    report["leases"].append(timed.lease_id)
-            elif isinstance(timed, SourceLife):
-                expired = self._expire_source_locked(timed)
-                if report is not None:
-                    report["sources"].append(timed.source_id)
-                    report["versions"].extend(expired)
-        return now
-
-    def _expire_source_locked(
-        self, life: SourceLife, spare: VersionRecord | None = None
-    ) -> list[tuple[str, int]]:
-        """The source's process is gone: every live version it serves is EXPIRED (except
-        ``spare``, a PENDING version its successor is registering into)."""
-        life.dead = True
-        del self._sources[life.source_id]
-        self._layouts.pop(life.source_id, None)
-        self._expire_replica_locked(life, self._models)
-        expired = []
-        for model, version in sorted(life.versions):
-            rec = self._models.get(model, {}).get(version)
-            if rec is None or life.source_id not in rec.sources:
-                continue  # that number was published afresh without this source
-            if rec is spare and rec.state is VersionState.PENDING:
-                continue
-            if rec.state in _LIVE:
-                rec.state = VersionState.EXPIRED
-                expired.append((model, version))
-                self._prune_locked(model)
-        if expired:
-            self._cond.notify_all()
-        return expired
-
-    def _drop_lease_locked(self, lease: LeaseRecord, how: str, at: float) -> None:
-        lease.dead = True
-        del self._leases[lease.lease_id]
-        self._ended_leases.add(lease, how, at)
-        rec = lease.record
-        if rec is not None:
-            rec.leases.pop(lease.lease_id, None)
-            self._settle_locked(rec)
-
-    def _settle_locked(self, rec: VersionRecord) -> None:
-        """DRAINING with no live lease is RETIRED; wake waiters; forget old versions."""
-        if rec.state is VersionState.DRAINING and not rec.trainer_leases():
-            rec.state = VersionState.RETIRED
-        if rec.state in _TERMINAL:
-            self._prune_locked(rec.model)
-        self._cond.notify_all()
-
-    def _prune_locked(self, model: str) -> None:
-        versions = self._models.get(model)
-        if not versions:
-            return
-        terminal = sorted(v for v, r in versions.items() if r.state in _TERMINAL)
-        excess = len(terminal) - self._history
-        for version in terminal:
-            if excess <= 0:
-                break
-            rec = versions[version]
-            if rec.leases:  # an EXPIRED version still being read: keep it until its leases end
-                continue
-            del versions[version]
-            excess -= 1
-            for source_id in rec.sources:
-                life = self._sources.get(source_id)
-                if life is not None:
-                    life.versions.discard((model, version))
-            for source_id in list(rec.replicas):
-                self._drop_replica_locked(rec, source_id)
-        if not versions:
-            del self._models[model]
-
-
-def _check_lookup(version: int | None, min_version: int) -> tuple[int | None, int]:
-    """Checked ``version`` and ``min_version`` of a READY-version lookup."""
-    min_version = check_int(min_version, "min_version", minimum=0)
-    if version is not None:
-        version = check_int(version, "version", minimum=0)
-        if version < min_version:
-            raise InvalidArgument(f"version: {version} is below min_version {min_version}")
-    return version, min_version
-
-
-def _ids(values: Iterable[str], field: str) -> list[str]:
-    if isinstance(values, (str, bytes)):
-        # A bare string would iterate as characters: almost certainly a missing [...].
-        raise InvalidArgument(f"{field}: must be a sequence of ids, got the string {values!r}")
-    return [check_name(value, f"{field}[{i}]") for i, value in enumerate(values)]

@@ -1,0 +1,90 @@
+"""The catalog's state and the small store interface :class:`~mx_refit.catalog.CatalogService`
+keeps it behind.
+
+The service's logic works on plain Python objects (:class:`CatalogState` and the records of
+:mod:`mx_refit.catalog._records`); a store only decides where that state lives between calls
+and makes each call atomic:
+
+* :class:`~mx_refit.catalog.store.memory.MemoryStore` keeps it in this process (the default).
+* :class:`~mx_refit.catalog.store.redis_store.RedisStore` keeps it in Redis, so several catalog
+  processes share it and a restarted one loses nothing (see docs/design.md, "Catalog stores").
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from mx_refit.catalog._records import (
+    TRANSIENT,
+    Deadlines,
+    EndedLeases,
+    LeaseRecord,
+    SourceLife,
+    VersionRecord,
+)
+from mx_refit.catalog.digests import Layout
+
+__all__ = ["TRANSIENT", "CatalogState", "CatalogStore", "Txn"]
+
+T = TypeVar("T")
+
+@dataclass(eq=False)
+class CatalogState:
+    """Everything the catalog knows. Stores persist every field not marked :data:`TRANSIENT`
+    (generically: a field added to this class or to a record is stored with no extra code)."""
+
+    models: dict[str, dict[int, VersionRecord]] = field(default_factory=dict)
+    sources: dict[str, SourceLife] = field(default_factory=dict)
+    leases: dict[str, LeaseRecord] = field(default_factory=dict)
+    ended_leases: EndedLeases = field(default_factory=EndedLeases)
+    # Each live source id's last registered layout: a republished identical layout reuses its
+    # descriptor tuple and digest instead of being hashed again (a per-process cache).
+    layouts: dict[str, Layout] = field(default_factory=dict, metadata=TRANSIENT)
+    deadlines: Deadlines = field(default_factory=Deadlines, metadata=TRANSIENT)
+
+    def __post_load__(self) -> None:
+        """Rebuild the deadline heap from the live sources and leases (after a load)."""
+        for timed in (*self.sources.values(), *self.leases.values()):
+            self.deadlines.set(timed, timed.expires_at, new=True)
+
+
+@dataclass
+class Txn:
+    """One atomic call's view: the state, the store's time (seconds) and the store's
+    generation when the call began (for :meth:`CatalogStore.wait_for_change`)."""
+
+    state: CatalogState
+    now: float
+    generation: int
+    notified: bool = False
+
+    def notify(self) -> None:
+        """Wake waiters once this call has committed."""
+        self.notified = True
+
+
+class CatalogStore(ABC):
+    """Where the catalog state lives; makes each service call atomic."""
+
+    url: str = "memory"
+
+    @abstractmethod
+    def run(self, body: Callable[[Txn], T]) -> T:
+        """Run ``body`` on the current state as one atomic step and return its result.
+
+        ``body`` validates before it mutates; if it raises, the store keeps nothing it did
+        that it has not already kept (the memory store relies on validation-first, the Redis
+        store drops the attempt). A store may run ``body`` again on a fresh state when a
+        concurrent writer won the race, so ``body`` must not have effects outside the state.
+        """
+
+    @abstractmethod
+    def wait_for_change(self, generation: int, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` (real time) until a call that notified has committed after
+        ``generation`` (spurious early returns are allowed: callers re-check)."""
+
+    def close(self) -> None:  # noqa: B027 - optional: only stores with connections override it
+        """Release connections (the memory store has none)."""

