@@ -76,10 +76,17 @@ def _version(catalog, model: str) -> None:
         catalog.register_source(model, 1, 2, _trainer(f"t{tp}", base, tp))
 
 
-@pytest.fixture(params=["embedded", "grpc"])
+@pytest.fixture(params=["embedded", "embedded-redis", "grpc"])
 def catalog(request, mx_catalog):
     if request.param == "embedded":
         yield CatalogService()
+    elif request.param == "embedded-redis":  # the catalog's Redis store keeps replicas and leases too
+        from mx_refit.catalog.store.redis_store import RedisStore
+
+        redis = request.getfixturevalue("redis_server")
+        service = CatalogService(store=RedisStore(redis.url, namespace=redis.namespace()))
+        yield service
+        service.store.close()
     else:
         with CatalogClient(mx_catalog) as client:
             yield client

@@ -15,18 +15,9 @@ from mx_refit.catalog import CatalogService
 from mx_refit.catalog.store import CatalogStore, MemoryStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_server import RedisServer  # noqa: E402
+from redis_server import RedisServer  # noqa: E402  (the redis_server fixture: tests/conftest.py)
 
 STORES = ["memory", "redis"]
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def build_store(kind: str, request: pytest.FixtureRequest, clock: Callable[[], float] | None) -> CatalogStore:
