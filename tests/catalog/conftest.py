@@ -3,30 +3,14 @@ in-memory one and Redis (a real ``redis-server``, one per session, flushed per t
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from catalog_factories import FakeClock
+from catalog_stores import STORES, build_store
 
 from mx_refit.catalog import CatalogService
-from mx_refit.catalog.store import CatalogStore, MemoryStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_server import RedisServer  # noqa: E402  (the redis_server fixture: tests/conftest.py)
-
-STORES = ["memory", "redis"]
-
-
-def build_store(kind: str, request: pytest.FixtureRequest, clock: Callable[[], float] | None) -> CatalogStore:
-    if kind == "memory":
-        return MemoryStore(clock) if clock is not None else MemoryStore()
-    from mx_refit.catalog.store.redis_store import RedisStore
-
-    server: RedisServer = request.getfixturevalue("redis_server")
-    return RedisStore(server.url, clock=clock, namespace=server.namespace())
 
 
 @pytest.fixture(params=STORES)

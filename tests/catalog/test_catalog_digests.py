@@ -143,7 +143,7 @@ def test_registration_stamps_stable_layout_and_sidecar_digests(make_service) -> 
     assert service.get_version("m").sources[0].layout_digest == src.layout_digest
 
 
-def test_an_unchanged_republish_reuses_the_tuple_and_digest_without_rehashing(make_service, 
+def test_an_unchanged_republish_reuses_the_tuple_and_digest_without_rehashing(make_service,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     hashed: list[int] = []

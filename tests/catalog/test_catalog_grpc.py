@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import STORES, build_store
 from catalog_factories import FakeClock, desc, publish_ready, source, tp_source
+from catalog_stores import STORES, build_store
 
 from mx_refit.catalog import (
     Catalog,
@@ -117,7 +117,7 @@ def test_full_cycle_matches_the_embedded_service(
     assert client.list_versions(model)[0].state is VersionState.RETIRED
 
 
-def test_embedded_and_remote_normalise_json_data_alike(make_service, 
+def test_embedded_and_remote_normalise_json_data_alike(make_service,
     server: CatalogServer, client: CatalogClient, model: str
 ) -> None:
     extras = {"groups": (8, 128), "role": Role.COLUMN, "nested": {"t": (1.5, None)}}

@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 
 from mx_refit.catalog.convert import source_from_proto, source_to_proto
-from mx_refit.catalog.service import CatalogService
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import MeshPosition, SourceInfo, TensorDescriptor
 

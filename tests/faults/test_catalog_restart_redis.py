@@ -109,6 +109,7 @@ def publish(cl: CatalogClient, version: int) -> None:
                            expected_readers=1)
 
 
+@pytest.mark.slow
 def test_100_catalog_restarts_lose_nothing_that_was_committed(catalogs: Catalogs) -> None:
     rng = random.Random(13)
     pub, rdr = client(catalogs.address(0)), client(catalogs.address(1))  # one per serve process
