@@ -155,7 +155,8 @@ def _killing_transport(name: str):
     """A NIXL transport that SIGKILLs ``self.kill = (pid, source_id, point)`` at that point of
     its next read: ``before-read`` (lease held, nothing posted), ``before-post`` (other sources'
     requests in flight, the victim's not yet posted), ``posted`` (the victim's request in
-    flight), ``timer`` (a random 0-3 ms into the read)."""
+    flight), ``timer`` (a random 0-3 ms into the read); ``frozen`` SIGSTOPs it instead (lease
+    held, nothing posted): its heartbeats stop and its reads time out."""
     from mx_refit.transport.nixl import NixlTransport
 
     class KillingTransport(NixlTransport):
@@ -163,7 +164,7 @@ def _killing_transport(name: str):
 
         def read_many(self, *a, **kw):  # type: ignore[no-untyped-def]
             timer = None
-            if self.kill is not None and self.kill[2] == "before-read":
+            if self.kill is not None and self.kill[2] in ("before-read", "frozen"):
                 self._strike()
             elif self.kill is not None and self.kill[2] == "timer":
                 timer = threading.Timer(random.uniform(0, 0.003), self._strike)
@@ -184,7 +185,9 @@ def _killing_transport(name: str):
 
         def _strike(self) -> None:
             armed, self.kill = self.kill, None
-            if armed is not None:
+            if armed is not None and armed[2] == "frozen":  # alive, but neither beating nor serving
+                os.kill(armed[0], signal.SIGSTOP)
+            elif armed is not None:
                 kill(armed[0])
 
     return KillingTransport(name)

@@ -36,7 +36,7 @@ class FailoverRig:
         self.survivor = failover_worker("source", catalog_proc.address, MODEL, log_dir, "failover-rank0",
                                "--rank", "0", "--ranks", "2", "--elems", str(ELEMS))
         self.reader = failover_worker("reader", catalog_proc.address, MODEL, log_dir, "failover-reader",
-                             "--lease-ttl", "10", "--transfer-timeout", "5")
+                             "--lease-ttl", "10", "--transfer-timeout", "2")
         self.victim: dict | None = None
         self.version = 0
         self.loaded: int | None = None  # the version the engine holds
@@ -110,6 +110,13 @@ def test_ranges_nobody_else_holds_abort_naming_the_source_and_keep_the_old_weigh
     # the next version refits in full: the failure left nothing behind
     after = rig.case("before-read", cover=True)
     assert after["outcome"] == "failover", after
+
+
+def test_a_frozen_source_is_failed_over_once_its_reads_time_out(rig) -> None:
+    """SIGSTOP, not SIGKILL: the victim's heartbeats stop and it serves nothing, but its
+    connections stay open; the reader's reads of it time out (2 s, 3 retries) and it fails over."""
+    result = rig.case("frozen", cover=True)
+    assert result["outcome"] == "failover", result
 
 
 def test_a_replica_killed_mid_pull_is_failed_over_to_the_trainer_rank(rig, catalog_proc, catalog_client, log_dir) -> None:
