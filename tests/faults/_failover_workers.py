@@ -300,9 +300,13 @@ def doomed_reader(catalog: str, cmd: dict) -> None:
         def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
             self._inner = inner
 
-        def acquire_lease(self, **kw):  # type: ignore[no-untyped-def]
+        def acquire_lease(self, *a, **kw):  # type: ignore[no-untyped-def]
             die("before-lease")
-            return self._inner.acquire_lease(**kw)
+            return self._inner.acquire_lease(*a, **kw)
+
+        def lease_version(self, *a, **kw):  # type: ignore[no-untyped-def]  # find and lease in one call
+            die("before-lease")
+            return self._inner.lease_version(*a, **kw)
 
         def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
             return getattr(self._inner, name)
