@@ -421,6 +421,28 @@ def test_server_refuses_a_port_that_is_already_taken(server: CatalogServer) -> N
         CatalogServer(port=server.port).start()
 
 
+def test_serve_forever_handles_sigterm_before_anyone_can_see_it_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supervisor may stop the catalog the moment it answers a call or logs its address: the
+    SIGINT/SIGTERM handlers are in place before the server starts, and restored afterwards."""
+    from mx_refit.catalog import server as server_module
+
+    handlers_at_start = []
+    real_start = server_module.CatalogServer.start
+
+    def observed_start(self):  # the real start; records which handlers it ran under
+        handlers_at_start.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+        return real_start(self)
+
+    monkeypatch.setattr(server_module.CatalogServer, "start", observed_start)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    stop = threading.Event()
+    stop.set()  # serve, then return at once
+    server_module.serve_forever("127.0.0.1", 0, stop_event=stop, grace_s=0)
+    assert len(handlers_at_start) == 1
+    assert all(h not in before for h in handlers_at_start[0]), (handlers_at_start, before)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_serve_forever_logs_its_address_and_stops_on_sigterm(tmp_path: Path) -> None:
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr);"

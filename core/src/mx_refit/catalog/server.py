@@ -368,6 +368,10 @@ def serve_forever(
     from mx_refit.catalog.store import open_store
 
     state_store = open_store(store, field="store")
+    # Handlers before the server starts: every sign of life (an answered call, the log line,
+    # on_listening) then comes after them, so a supervisor that stops us as soon as it sees one
+    # gets a clean shutdown, not death by SIGTERM (CI saw exit -15 in that window).
+    previous = _stop_on_signals(stop)
     try:
         ping = getattr(state_store, "ping", None)
         if ping is not None:
@@ -375,6 +379,7 @@ def serve_forever(
         server = CatalogServer(host, port, token, max_message_bytes,
                                service=CatalogService(store=state_store)).start()
     except BaseException:
+        _restore_signals(previous)
         state_store.close()
         raise
     metrics_server = None
@@ -385,6 +390,8 @@ def serve_forever(
             metrics_server, metrics_url = serve_catalog_metrics(server.service, host, metrics_port)
     except BaseException:
         server.stop(0)
+        _restore_signals(previous)
+        state_store.close()
         raise
     if host not in _LOOPBACK and token is None:
         logger.warning(
@@ -392,6 +399,23 @@ def serve_forever(
             server.address,
         )
     logger.info("mx-refit catalog serving on %s", server.address)
+    try:
+        if on_listening is not None:
+            on_listening({"address": server.address, "host": host, "port": server.port, "token": token is not None,
+                          "health": "grpc.health.v1.Health", "metrics": metrics_url, "store": state_store.url})
+        stop.wait()
+    finally:
+        _restore_signals(previous)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        server.stop(grace_s)
+        state_store.close()
+        logger.info("mx-refit catalog on %s stopped", server.address)
+
+
+def _stop_on_signals(stop: threading.Event) -> dict[int, Any]:
+    """SIGINT/SIGTERM set ``stop`` (main thread only: elsewhere Python allows no handlers);
+    returns the handlers they replaced."""
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
 
@@ -401,18 +425,9 @@ def serve_forever(
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
-    # Announce only once the handlers are in: a supervisor that stops us right after reading
-    # the line must get a clean shutdown, not death by SIGTERM.
-    if on_listening is not None:
-        on_listening({"address": server.address, "host": host, "port": server.port, "token": token is not None,
-                      "health": "grpc.health.v1.Health", "metrics": metrics_url, "store": state_store.url})
-    try:
-        stop.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if metrics_server is not None:
-            metrics_server.shutdown()
-        server.stop(grace_s)
-        state_store.close()
-        logger.info("mx-refit catalog on %s stopped", server.address)
+    return previous
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
