@@ -239,6 +239,25 @@ def test_new_checksums_arrive_when_the_catalog_leaves_an_unchanged_layout_out(mx
         assert torch.equal(dict(result.tensors)["w"], weights["w"])
 
 
+def test_a_failed_verification_is_not_a_completed_read_and_the_version_can_be_read_again(mx_catalog, mx_model_name):
+    """Verification runs under the lease: a mismatch releases without completing the read, so a
+    publisher waiting for its readers keeps waiting, and the same version is read again once
+    its bytes are right."""
+    weights = {"w": torch.randn(3000, 7)}
+    with Publisher(mx_catalog, mx_model_name, checksums=True, checksum_block_bytes=BLOCK, expected_readers=1) as pub, \
+            Receiver(mx_catalog, mx_model_name, checksums=True) as rec:
+        pub.publish(1, model=weights)
+        raw = weights["w"].view(-1).view(torch.uint8)
+        raw[5000] ^= 0x10  # after the sums were taken: the bytes the reader pulls are wrong
+        with pytest.raises(ChecksumMismatch, match="tensor 'w'"):
+            rec.refit(1)
+        (summary,) = [v for v in rec.client.list_versions(mx_model_name) if v.version == 1]
+        assert summary.completed_reads == 0 and summary.expected_readers == 1
+        raw[5000] ^= 0x10
+        assert torch.equal(dict(rec.refit(1).tensors)["w"], weights["w"])
+        pub.wait_read(1, timeout_s=30)  # the one completed read is the verified one
+
+
 # --- across processes: the sources' memory is flipped, the receiver must catch it -------------
 
 

@@ -309,6 +309,15 @@ class Receiver:
             pulled_by = self._pull(info, sources, requests, arena, lease.check)
             report = pulled_by.report
             seconds = time.perf_counter() - started
+            blocks = 0
+            if widening is not None:
+                # Every pulled block against its checksum, still under the lease: a reader whose
+                # bytes fail is not a completed read (`wait_read` keeps waiting for it), and the
+                # publisher's buffers are still there for a retry of the same version.
+                from mx_refit.checksums import verify
+
+                blocks = verify(arena, widening, {s.source_id: s for s in info.sources})
+            verified = time.perf_counter()
         except BaseException:
             if lease is not None:
                 lease.abandon()
@@ -321,12 +330,6 @@ class Receiver:
         released = time.perf_counter()
 
         pulled = sum(report.nbytes.values())
-        blocks = 0
-        if widening is not None:  # every pulled block against its checksum, before anything is loaded
-            from mx_refit.checksums import verify
-
-            blocks = verify(arena, widening, {s.source_id: s for s in info.sources})
-        verified = time.perf_counter()
         if self.replica is not None:  # complete, confirmed (and verified): offer it to the next readers
             self.replica.offer(info.version, trainer_requests, arena)
         tensors = list(plan.materialize(arena))
@@ -336,8 +339,8 @@ class Receiver:
                 self.hooks.load_weights(self.engine, batch)
         phases = {
             "discover": discovered - began, "plan": plan_seconds, "lease": leased - leasing,
-            "heartbeat_start": started - leased, "pull": seconds, "release": released - stopping,
-            "verify": verified - released, "materialize": materialized - verified,
+            "heartbeat_start": started - leased, "pull": seconds, "verify": verified - started - seconds,
+            "release": released - stopping, "materialize": materialized - released,
             "load": time.perf_counter() - materialized,
         }
         stats = RefitStats(
