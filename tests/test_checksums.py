@@ -24,7 +24,7 @@ from mx_refit.plugins import Hooks
 from mx_refit.publisher import Publisher
 from mx_refit.ranges import coalesce
 from mx_refit.receiver import Receiver
-from mx_refit.types import BlockChecksums, PublishedTensor, TargetLayout
+from mx_refit.types import BlockChecksums, TargetLayout
 from tests import _checksum_source
 from tests.layout import _planner_harness
 from tests.layout._planner_harness import ModelSpec, SourceLayout, expected_window, publish
