@@ -13,7 +13,7 @@ from typing import Any
 
 from mx_refit.catalog.api import ReadProgress
 from mx_refit.catalog.digests import sidecar_digest
-from mx_refit.catalog.validation import json_text
+from mx_refit.catalog.validation import json_text, merge_sidecar
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import Role, SourceInfo, VersionInfo, VersionState
 
@@ -24,6 +24,7 @@ __all__ = [
     "Manifest",
     "SourceLife",
     "TensorIndex",
+    "IMMUTABLE_VALUES",
     "TRANSIENT",
     "Timed",
     "VersionRecord",
@@ -36,6 +37,9 @@ __all__ = [
 # Field metadata of state that is a cache or an index: stores do not keep it, and the class's
 # ``__post_load__`` rebuilds it after a load (see mx_refit.catalog.store.codec).
 TRANSIENT: dict[str, Any] = {"transient": True}
+# Field metadata of a dict whose values are never mutated once inserted: a store encodes each
+# value once per process and keeps a large one as a blob written once.
+IMMUTABLE_VALUES: dict[str, Any] = {"immutable_values": True}
 
 
 @dataclass(eq=False)
@@ -115,8 +119,9 @@ class VersionRecord:
     expected_sources: int
     state: VersionState = VersionState.PENDING
     sources: dict[str, SourceInfo] = field(default_factory=dict)
-    sidecars: dict[str, dict[str, Any]] = field(default_factory=dict)  # per source, as sent
-    sidecar: dict[str, Any] = field(default_factory=dict)  # merged
+    # per source, as sent (never mutated: merging copies)
+    sidecars: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=IMMUTABLE_VALUES)
+    sidecar: dict[str, Any] = field(default_factory=dict, metadata=TRANSIENT)  # merged, from ``sidecars``
     sidecar_text: str | None = None  # cached JSON of ``sidecar``; None after every change
     sidecar_digest: str = ""  # digest of ``sidecar_text`` (valid while that is not None)
     tensors: TensorIndex = field(default_factory=dict, metadata=TRANSIENT)  # from ``sources``
@@ -151,6 +156,8 @@ class VersionRecord:
     def __post_load__(self) -> None:
         for source in self.sources.values():
             index_tensors(self.tensors, source)
+        for extra in self.sidecars.values():
+            merge_sidecar(self.sidecar, extra)
 
     def read_progress(self) -> ReadProgress:
         return ReadProgress(

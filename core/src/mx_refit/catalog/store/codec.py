@@ -6,7 +6,10 @@ encoded field by field (fields with ``metadata=TRANSIENT`` are skipped, and a cl
 extra code. Shared objects stay shared (a lease and its version's lease table point at the same
 record), cycles included.
 
-Immutable values (frozen dataclasses, strings) whose encoding exceeds :data:`BLOB_MIN_CHARS`
+A field whose metadata has ``immutable_values`` (see ``IMMUTABLE_VALUES`` in
+``mx_refit.catalog._records``) holds a dict whose values are never mutated once inserted: each
+value is treated as immutable. Immutable values (frozen dataclasses, strings, those dict values)
+whose encoding exceeds :data:`BLOB_MIN_CHARS`
 become *blobs*: stored once under a content-addressed key, referenced by that key from the
 document. Each one is encoded once per process (memoised by identity), so re-encoding a
 document whose big parts did not change costs only its small mutable parts.
@@ -112,7 +115,15 @@ class StateCodec:
             raise TypeError(f"cannot store a {type(value).__name__} in the catalog state: {value!r:.80}")
 
         def fields_of(value: Any, flat: bool) -> dict[str, Any]:
-            return {f.name: enc(getattr(value, f.name), flat) for f in _stored_fields(type(value))}
+            out = {}
+            for f in _stored_fields(type(value)):
+                item = getattr(value, f.name)
+                if (not flat and f.metadata.get("immutable_values") and isinstance(item, dict)
+                        and all(type(k) is str for k in item)):
+                    out[f.name] = {"d": {k: immutable(v) for k, v in item.items()}}
+                else:
+                    out[f.name] = enc(item, flat)
+            return out
 
         def inline(value: Any) -> dict[str, Any]:
             return {"c": _class_name(type(value)), "f": fields_of(value, True)}
@@ -123,7 +134,8 @@ class StateCodec:
                 if isinstance(value, str):
                     memo = self._blob(value, "s" + value)
                 else:
-                    encoded = inline(value)
+                    is_dataclass = dataclasses.is_dataclass(value)
+                    encoded = inline(value) if is_dataclass else enc(value, True)
                     text = json.dumps(encoded, separators=(",", ":"))
                     if len(text) < BLOB_MIN_CHARS:
                         return encoded  # small: inline, not memoised
