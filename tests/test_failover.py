@@ -95,7 +95,7 @@ class ScriptedFailures:
         self.asked: list[dict[str, list[tuple[int, int, int]]]] = []
         self.forgotten: list[str] = []
 
-    def read(self, sources, requests, arena, *, timeout_s, abort_check=None) -> ReadReport:
+    def read(self, sources, requests, arena, *, timeout_s, abort_check=None, gone=None) -> ReadReport:
         self.asked.append({sid: list(r) for sid, r in requests.items()})
         if self.failures:
             failed, completed = self.failures.pop(0)

@@ -470,3 +470,13 @@ def test_serve_forever_logs_its_address_and_stops_on_sigterm(tmp_path: Path) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_heartbeat_over_grpc_answers_which_watched_sources_are_gone(client: CatalogClient, model: str) -> None:
+    publish_ready(client, model, 1)
+    lease = client.acquire_lease(model, 1, "reader-watch", ttl_s=30)
+    assert client.heartbeat(lease_ids=[lease], watch_source_ids=["tp0", f"{model}-ghost"]) == {f"{model}-ghost"}
+    assert client.heartbeat(lease_ids=[lease]) == frozenset()
+    with pytest.raises(InvalidArgument, match="watch_source_ids: must be a sequence of ids"):
+        client.heartbeat(watch_source_ids="tp0")
+    client.release_lease(lease)

@@ -11,6 +11,11 @@ its release. :class:`LeaseGuard` enforces that on one clock, the catalog's:
   deadline after receiving the call), so once local time passes the last such bound without a
   newer acknowledgement the lease may be gone and the pull is aborted.
 
+Each renewal also asks the catalog which of the sources the pull reads it no longer holds
+live (:meth:`LeaseGuard.watch_sources`): a frozen source (SIGSTOP: its heartbeats stop but its
+connections stay up) is then failed over within its TTL plus ``ttl_s / 3``, not at the
+transfer timeout (:meth:`LeaseGuard.gone_sources`, polled by the transport's read loop).
+
 Renewals cost nothing for short pulls: the timer first fires at a third of the TTL. A
 :class:`LeaseRenewer` keeps one renewal thread across a receiver's refits, so a steady refit
 starts no thread (starting one costs 0.1-0.3 ms, as much as a third of a catalog round trip).
@@ -22,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from mx_refit.errors import LeaseLost, MxRefitError, NotFound
@@ -66,6 +72,16 @@ class LeaseGuard:
         self._thread: threading.Thread | None = None
         self._renewer = renewer
         self.next_renewal = math.inf  # local monotonic time of the next renewal (a renewer's)
+        self._watched: tuple[str, ...] = ()  # sources the pull reads
+        self._gone: frozenset[str] = frozenset()  # of those, the ones the catalog expired
+
+    def watch_sources(self, source_ids: Iterable[str]) -> None:
+        """Ask the catalog, with every renewal, whether these sources (the pull's holders) are live."""
+        self._watched = tuple(sorted(source_ids))
+
+    def gone_sources(self) -> frozenset[str]:
+        """The watched sources the catalog said are no longer live (cheap: polled mid-read)."""
+        return self._gone
 
     # -- renewals ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,7 +123,7 @@ class LeaseGuard:
         sent = time.monotonic()
         self._inflight_since = sent
         try:
-            self._catalog.heartbeat(lease_ids=[self.lease_id])
+            gone = self._catalog.heartbeat(lease_ids=[self.lease_id], watch_source_ids=self._watched)
         except NotFound as exc:
             self._lost = str(exc)
         except MxRefitError as exc:  # Unavailable and friends: the local bound decides
@@ -116,6 +132,8 @@ class LeaseGuard:
             self._renew_error = f"{type(exc).__name__}: {exc}"
             log.warning("lease %s on %s: renewal failed: %s", self.lease_id, self.label, exc)
         else:
+            if gone:  # a catalog that predates watch_source_ids answers None or nothing
+                self._gone = self._gone | gone
             self._held_until = max(self._held_until, sent + self.ttl_s)
             self._renew_error = self._renew_error_since = None
         finally:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -214,16 +214,18 @@ def pull_with_failover(
     abort_check: Callable[[], None] | None,
     edges: Callable[[SourceInfo], list[int]],
     label: str,
+    gone: Callable[[], Collection[str]] | None = None,
 ) -> FailoverPull:
     """Read ``requests`` (per holder in ``chosen``, a trainer source or a replica the lease
     names: ``(holder address, arena offset, nbytes)``) into ``arena``; when a holder fails, fail
     over as the module says. ``edges`` gives a source's region edges (reads are cut
-    there); ``label`` (``refit of model 'm' version 3``) starts an abort's message. Errors that
+    there); ``label`` (``refit of model 'm' version 3``) starts an abort's message; ``gone``
+    (the sources the catalog expired) fails a frozen holder's reads at once. Errors that
     name no source (a lost lease, bad input) propagate unchanged."""
     from mx_refit.transport.base import ReadReport
 
     try:  # the steady path: one read of the cached requests, nothing else computed
-        return FailoverPull(transport.read(chosen, requests, arena, timeout_s=timeout_s, abort_check=abort_check))
+        return FailoverPull(transport.read(chosen, requests, arena, timeout_s=timeout_s, abort_check=abort_check, gone=gone))
     except TransferError as exc:
         error = exc
     trainers = {s.source_id for s in info.sources}
@@ -280,7 +282,7 @@ def pull_with_failover(
             for sid, ops in owes.items()
         }
         try:
-            report = transport.read(sources, requests, arena, timeout_s=timeout_s, abort_check=abort_check)
+            report = transport.read(sources, requests, arena, timeout_s=timeout_s, abort_check=abort_check, gone=gone)
         except TransferError as exc:
             error = exc
             continue

@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -306,7 +306,8 @@ class Receiver:
             leased = time.perf_counter()
             arena = self._arena_for(widening.arena_bytes if widening else plan.arena_bytes)
             started = time.perf_counter()
-            pulled_by = self._pull(info, sources, requests, arena, lease.check)
+            lease.watch_sources({*sources, *(s.source_id for s in info.sources)})  # every holder failover may read
+            pulled_by = self._pull(info, sources, requests, arena, lease)
             report = pulled_by.report
             seconds = time.perf_counter() - started
             blocks = 0
@@ -475,7 +476,7 @@ class Receiver:
         sources: dict[str, SourceInfo],
         requests: dict[str, list[tuple[int, int, int]]],
         arena: "torch.Tensor",
-        abort_check: "Callable[[], None]",
+        lease: LeaseGuard,
     ) -> "FailoverPull":
         """Every planned byte into ``arena`` from the chosen holders ``sources``; a holder that
         fails mid-pull has its ranges read from another, or the pull fails naming it and the
@@ -484,7 +485,8 @@ class Receiver:
 
         pulled = pull_with_failover(
             self.transport, info, sources, requests, arena, timeout_s=self.transfer_timeout_s,
-            abort_check=abort_check,  # a lost lease ends the pull at once
+            abort_check=lease.check,  # a lost lease ends the pull at once
+            gone=lease.gone_sources,  # a source whose heartbeats stopped fails over at once
             edges=_region_edges, label=f"refit of model {self.model!r} version {info.version}",
         )
         moved = sum(pulled.report.nbytes.values())

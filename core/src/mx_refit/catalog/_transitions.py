@@ -272,8 +272,11 @@ def check_lookup(version: int | None, min_version: int) -> tuple[int | None, int
     return version, min_version
 
 
-def check_ids(values: Iterable[str], field: str) -> list[str]:
+def check_ids(values: Iterable[str], field: str, limit: int | None = None) -> list[str]:
     if isinstance(values, (str, bytes)):
         # A bare string would iterate as characters: almost certainly a missing [...].
         raise InvalidArgument(f"{field}: must be a sequence of ids, got the string {values!r}")
+    values = list(values)
+    if limit is not None and len(values) > limit:
+        raise InvalidArgument(f"{field}: {len(values)} ids exceed the limit of {limit}")
     return [check_name(value, f"{field}[{i}]") for i, value in enumerate(values)]

@@ -100,9 +100,12 @@ class Catalog(Protocol):
         source_ids: Sequence[str] = (),
         lease_ids: Sequence[str] = (),
         incarnations: Mapping[str, str] | None = None,
-    ) -> None:
+        watch_source_ids: Sequence[str] = (),
+    ) -> frozenset[str]:
         """Renew the TTLs of the given sources and leases (all or nothing); ``incarnations``
-        (source id -> incarnation) makes a replaced caller fail with ``FailedPrecondition``."""
+        (source id -> incarnation) makes a replaced caller fail with ``FailedPrecondition``.
+        Returns the ``watch_source_ids`` the catalog does not hold live (their heartbeats
+        stopped, or they were never registered or were withdrawn)."""
         ...
 
     def get_version(

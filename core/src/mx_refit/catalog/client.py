@@ -276,9 +276,11 @@ class CatalogClient:
         source_ids: Sequence[str] = (),
         lease_ids: Sequence[str] = (),
         incarnations: Mapping[str, str] | None = None,
-    ) -> None:
-        """See :meth:`CatalogService.heartbeat`."""
-        for name, ids in (("source_ids", source_ids), ("lease_ids", lease_ids)):
+        watch_source_ids: Sequence[str] = (),
+    ) -> frozenset[str]:
+        """See :meth:`CatalogService.heartbeat` (a catalog that predates ``watch_source_ids``
+        answers nothing gone)."""
+        for name, ids in (("source_ids", source_ids), ("lease_ids", lease_ids), ("watch_source_ids", watch_source_ids)):
             if isinstance(ids, (str, bytes)):
                 raise InvalidArgument(f"{name}: must be a sequence of ids, got the string {ids!r}")
         if incarnations is not None and not isinstance(incarnations, Mapping):
@@ -290,8 +292,9 @@ class CatalogClient:
             source_ids=list(source_ids),
             lease_ids=list(lease_ids),
             source_incarnations=dict(incarnations or {}),
+            watch_source_ids=list(watch_source_ids),
         )
-        self._call("Heartbeat", request)
+        return frozenset(self._call("Heartbeat", request).gone_source_ids)
 
     def retire_version(self, model: str, version: int) -> VersionState:
         """See :meth:`CatalogService.retire_version`."""

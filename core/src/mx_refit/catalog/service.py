@@ -265,8 +265,10 @@ class CatalogService(ReplicaCatalog, CatalogCore):
         source_ids: Sequence[str] = (),
         lease_ids: Sequence[str] = (),
         incarnations: Mapping[str, str] | None = None,
-    ) -> None:
-        """Renew sources and leases by their own TTLs.
+        watch_source_ids: Sequence[str] = (),
+    ) -> frozenset[str]:
+        """Renew sources and leases by their own TTLs; return the ``watch_source_ids`` that are
+        not live (expired, never registered, or withdrawn): a reader mid-pull stops waiting on them.
 
         All or nothing: if any id is unknown (never registered, or already expired) nothing is
         renewed and ``NotFound`` lists every unknown id and why — the caller's sources/leases
@@ -277,6 +279,8 @@ class CatalogService(ReplicaCatalog, CatalogCore):
         sources = check_ids(source_ids, "source_ids")
         leases = check_ids(lease_ids, "lease_ids")
         claimed = check_incarnations(incarnations)
+        watched = check_ids(watch_source_ids, "watch_source_ids", limit=self.limits.max_watched_sources)
+
         def body(now: float) -> Any:
             replaced = [
                 f"{sid!r} (registered by incarnation {self._st.sources[sid].incarnation!r}, "
@@ -304,6 +308,7 @@ class CatalogService(ReplicaCatalog, CatalogCore):
                 )
             for timed in [*(self._st.sources[s] for s in sources), *(self._st.leases[s] for s in leases)]:
                 self._st.deadlines.set(timed, now + timed.ttl_s)
+            return frozenset(s for s in watched if s not in self._st.sources)
 
         return self._txn(body)
 

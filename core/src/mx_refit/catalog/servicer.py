@@ -101,10 +101,11 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatReply:
-        self.service.heartbeat(
-            list(request.source_ids), list(request.lease_ids), dict(request.source_incarnations)
+        gone = self.service.heartbeat(
+            list(request.source_ids), list(request.lease_ids), dict(request.source_incarnations),
+            list(request.watch_source_ids),
         )
-        return pb.HeartbeatReply()
+        return pb.HeartbeatReply(gone_source_ids=sorted(gone))
 
     @_rpc
     def GetVersion(

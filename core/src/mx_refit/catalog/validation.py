@@ -62,6 +62,7 @@ class CatalogLimits:
     max_expected_readers: int = 1 << 20
     max_ttl_s: float = 24 * 3600.0
     max_wait_s: float = 3600.0  # longest single wait_drained call
+    max_watched_sources: int = 1 << 16  # a heartbeat's watch_source_ids
 
 
 def check_name(value: object, field: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -199,6 +199,7 @@ class Transport(Protocol):
         *,
         timeout_s: float,
         abort_check: "Callable[[], None] | None" = None,
+        gone: "Callable[[], Collection[str]] | None" = None,
     ) -> ReadReport: ...
 
     def known_sources(self) -> set[str]: ...

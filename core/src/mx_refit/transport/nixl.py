@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -283,6 +283,7 @@ class NixlTransport:
         timeout_s: float | None = None,
         merge: bool = True,
         abort_check: Callable[[], None] | None = None,
+        gone: Callable[[], Collection[str]] | None = None,
     ) -> dict[str, TransferStats]:
         """READ from several peers at once: every peer's request is posted before waiting on any,
         so the transfers overlap. ``remote_mem``/``remote_dev`` may be per-peer mappings (each
@@ -296,7 +297,10 @@ class NixlTransport:
         them at the remote's registration boundaries, which this transport cannot see.
 
         ``abort_check`` is called before posting and between polls; whatever it raises (a lost
-        lease) ends the read at once: every posted request is released and the error propagates."""
+        lease) ends the read at once: every posted request is released and the error propagates.
+        ``gone`` is polled there too: a peer it names (the catalog expired it: a frozen process
+        keeps its connection but serves nothing) has its pending request released and failed at
+        once, without retries, instead of waiting out ``timeout_s`` per attempt."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise InvalidArgument(f"timeout_s: {timeout} must be > 0")
@@ -337,7 +341,7 @@ class NixlTransport:
             raise InvalidArgument(f"requests: two peers write the same local bytes: {exc}") from exc
 
         try:
-            failed = self._run(jobs, timeout, started, results, abort_check)
+            failed = self._run(jobs, timeout, started, results, abort_check, gone)
         finally:
             for job in jobs:  # only non-None after an unexpected exception (e.g. KeyboardInterrupt)
                 self._release(job)
@@ -352,8 +356,8 @@ class NixlTransport:
             )
         return results
 
-    def _run(self, jobs: list[_Job], timeout: float, started: float,
-             results: dict[str, TransferStats], abort_check: Callable[[], None] | None) -> list[_Job]:
+    def _run(self, jobs: list[_Job], timeout: float, started: float, results: dict[str, TransferStats],
+             abort_check: Callable[[], None] | None, gone: Callable[[], Collection[str]] | None) -> list[_Job]:
         """Post every job, then poll them all until each is DONE or out of retries; returns the
         failed jobs. Successful ones land in ``results``."""
         failed: list[_Job] = []
@@ -366,6 +370,9 @@ class NixlTransport:
         while pending:
             if abort_check is not None:
                 abort_check()
+            dead = gone() if gone is not None else ()
+            if dead:
+                self._fail_gone(pending, failed, dead)
             now = time.monotonic()
             progressed = False
             for job in list(pending):
@@ -394,6 +401,18 @@ class NixlTransport:
                 sleep_s = _POLL_MIN_S if progressed else min(sleep_s * 2, _POLL_MAX_S)
                 time.sleep(sleep_s)
         return failed
+
+    def _fail_gone(self, pending: list[_Job], failed: list[_Job], dead: Collection[str]) -> None:
+        """Fail the pending jobs of peers the catalog no longer holds live (a request that
+        already reached DONE is left to the loop: its bytes are in place)."""
+        for job in [j for j in pending if j.peer_key in dead]:
+            if job.handle is not None and self._state(job) == "DONE":
+                continue
+            self._release(job)
+            job.permanent = True
+            job.last_error = f"the catalog expired source {job.peer_key}: its heartbeats stopped"
+            pending.remove(job)
+            failed.append(job)
 
     def _post(self, job: _Job, timeout: float) -> None:
         """Build both descriptor lists and post ONE request; on failure schedule a retry."""

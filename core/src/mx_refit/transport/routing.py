@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import InvalidArgument, TransferError
@@ -277,11 +277,14 @@ class RoutingTransport:
         *,
         timeout_s: float,
         abort_check: "Callable[[], None] | None" = None,
+        gone: "Callable[[], Collection[str]] | None" = None,
     ) -> ReadReport:
         """Read ``(remote addr, arena offset, n)`` ranges (coalesced and cut at the sources'
         region edges by the caller) from every source into ``arena``; CUDA IPC sources and NIXL
         sources are read in one call each. ``abort_check`` runs before, between NIXL polls and
-        after: whatever it raises (a lost lease) ends the read at once. A failed read raises
+        after: whatever it raises (a lost lease) ends the read at once; ``gone`` names sources the
+        catalog expired, whose NIXL reads then fail at once (CUDA IPC copies are synchronous and
+        need no such check). A failed read raises
         :class:`TransferError` whose ``completed_sources`` are the sources confirmed complete."""
         started = time.perf_counter()
         with self._lock:
@@ -307,7 +310,7 @@ class RoutingTransport:
                     descriptors += report.descriptors
                     opened += report.handles_opened
                 if by_path[NIXL]:
-                    moved, posted = self._read_nixl(sources, by_path[NIXL], arena, timeout_s, abort_check)
+                    moved, posted = self._read_nixl(sources, by_path[NIXL], arena, timeout_s, abort_check, gone)
                     nbytes.update(moved)
                     paths.update({s: NIXL for s in moved})
                     descriptors += posted
@@ -329,6 +332,7 @@ class RoutingTransport:
         arena: "torch.Tensor",
         timeout_s: float,
         abort_check: "Callable[[], None] | None" = None,
+        gone: "Callable[[], Collection[str]] | None" = None,
     ) -> tuple[dict[str, int], int]:
         agent = self.nixl(required=True)
         assert agent is not None
@@ -352,7 +356,8 @@ class RoutingTransport:
             ops[source_id] = [(remote, base + offset, n) for remote, offset, n in ranges]
         before = agent.descriptors_posted
         stats = agent.read_many(ops, remote_mem=remote_mem, remote_dev=remote_dev, local_mem=local_mem,
-                                local_dev=local_dev, timeout_s=timeout_s, merge=False, abort_check=abort_check)
+                                local_dev=local_dev, timeout_s=timeout_s, merge=False, abort_check=abort_check,
+                                gone=gone)
         return {s: st.nbytes for s, st in stats.items()}, agent.descriptors_posted - before
 
     def forget(self, source_id: str) -> None:

@@ -276,7 +276,7 @@ class MarkReadyReply(_message.Message):
     def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("source_ids", "lease_ids", "source_incarnations")
+    __slots__ = ("source_ids", "lease_ids", "source_incarnations", "watch_source_ids")
     class SourceIncarnationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -287,14 +287,18 @@ class HeartbeatRequest(_message.Message):
     SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
+    WATCH_SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
     source_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
     source_incarnations: _containers.ScalarMap[str, str]
-    def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., lease_ids: _Optional[_Iterable[str]] = ..., source_incarnations: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    watch_source_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., lease_ids: _Optional[_Iterable[str]] = ..., source_incarnations: _Optional[_Mapping[str, str]] = ..., watch_source_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("gone_source_ids",)
+    GONE_SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    gone_source_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gone_source_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetVersionRequest(_message.Message):
     __slots__ = ("model", "version", "min_version", "known_layout_digests", "known_sidecar_digest")
