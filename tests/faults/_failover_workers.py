@@ -219,6 +219,10 @@ def run_reader(args: argparse.Namespace) -> None:
                 kill_at = cmd.get("kill")
                 transport.kill = (kill_at["pid"], kill_at["source_id"], kill_at["point"]) if kill_at else None
                 reply: dict = {}
+                kept = rec.lease_ttl_s, rec.transfer_timeout_s  # a case may run with its own
+                rec.lease_ttl_s = cmd.get("lease_ttl", rec.lease_ttl_s)
+                rec.transfer_timeout_s = cmd.get("transfer_timeout", rec.transfer_timeout_s)
+                began = time.monotonic()
                 try:
                     result = rec.refit(cmd["version"])
                     version = result.version.version
@@ -233,7 +237,9 @@ def run_reader(args: argparse.Namespace) -> None:
                 finally:
                     struck = transport.kill is None and kill_at is not None
                     transport.kill = None
+                    rec.lease_ttl_s, rec.transfer_timeout_s = kept
                 reply["struck"] = struck
+                reply["seconds"] = time.monotonic() - began
                 reply["failures_seen"] = len(failures)
                 # which version every engine tensor holds: one of the candidates, or None (mixed)
                 candidates = cmd.get("candidates", [])

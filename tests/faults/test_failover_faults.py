@@ -42,8 +42,10 @@ class FailoverRig:
         self.loaded: int | None = None  # the version the engine holds
         self.failures = 0  # mx_refit_refit_failed calls the reader saw
 
-    def case(self, point: str, cover: bool) -> dict:
-        """One version, one death at ``point``; returns the outcome (asserting its invariants)."""
+    def case(self, point: str, cover: bool, victim_ttl: float = 30.0, **reader: float) -> dict:
+        """One version, one death at ``point``; returns the outcome (asserting its invariants).
+        ``victim_ttl``: the victim's source TTL; ``reader``: ``lease_ttl``/``transfer_timeout``
+        for this refit."""
         if self.version:
             assert self.survivor.call(cmd="drain", version=self.version).get("drained"), "rank 0 did not drain"
         if self.victim is not None:
@@ -51,10 +53,10 @@ class FailoverRig:
         self.version += 1
         v = self.version
         self.victim = spawn_source(self.zygote, fn="_failover_workers:victim", model=MODEL, version=v,
-                                   rank=1, ranks=2, elems=ELEMS, tag=v)
+                                   rank=1, ranks=2, elems=ELEMS, tag=v, ttl=victim_ttl)
         assert self.survivor.call(cmd="publish", version=v, cover=cover) == {"state": "READY"}
         kill = {"pid": self.victim["pid"], "source_id": self.victim["source_id"], "point": point}
-        got = self.reader.call(cmd="refit", version=v, kill=kill, candidates=[self.loaded, v], timeout=120)
+        got = self.reader.call(cmd="refit", version=v, kill=kill, candidates=[self.loaded, v], timeout=120, **reader)
         holds = set(got.get("engine", {}).values())
         assert len(holds) <= 1 and None not in holds, f"engine weights mixed or foreign: {got}"
         if got.get("ok"):
@@ -112,11 +114,23 @@ def test_ranges_nobody_else_holds_abort_naming_the_source_and_keep_the_old_weigh
     assert after["outcome"] == "failover", after
 
 
-def test_a_frozen_source_is_failed_over_once_its_reads_time_out(rig) -> None:
+FROZEN = {"victim_ttl": 4.0, "lease_ttl": 6.0, "transfer_timeout": 60.0}  # a timeout would take 4 x 60 s
+
+
+def test_a_frozen_source_is_failed_over_once_the_catalog_expires_it(rig) -> None:
     """SIGSTOP, not SIGKILL: the victim's heartbeats stop and it serves nothing, but its
-    connections stay open; the reader's reads of it time out (2 s, 3 retries) and it fails over."""
-    result = rig.case("frozen", cover=True)
-    assert result["outcome"] == "failover", result
+    connections stay open. The catalog expires it after its TTL; the reader's next lease renewal
+    learns so and its reads of the victim fail at once: failed over long before the 60 s
+    transfer timeout (whose 4 attempts would outlast the reader call's 120 s bound)."""
+    result = rig.case("frozen", cover=True, **FROZEN)
+    assert result["outcome"] == "failover" and result["bytes_reread"] > 0, result
+    assert result["seconds"] < 45, result  # TTL 4 s + a renewal every 2 s; generous for a loaded box
+
+
+def test_a_frozen_source_nobody_else_covers_aborts_naming_it_within_its_ttl(rig) -> None:
+    result = rig.case("frozen", cover=False, **FROZEN)
+    assert result["outcome"] == "abort" and result["seconds"] < 45, result
+    assert "its heartbeats stopped" in result["message"], result
 
 
 def test_a_replica_killed_mid_pull_is_failed_over_to_the_trainer_rank(rig, catalog_proc, catalog_client, log_dir) -> None:
