@@ -63,3 +63,19 @@ def test_one_thread_renews_each_lease_past_its_ttl_and_stops_with_it() -> None:
     assert threading.active_count() == threads_before + 1
     time.sleep(TTL_S + 0.5)
     late.release(completed=True)
+
+
+def test_renewals_learn_which_watched_sources_the_catalog_no_longer_holds() -> None:
+    service = CatalogService()
+    _ready(service)
+    guard = _guard(service, LeaseRenewer("watch"), "watcher")
+    guard.watch_sources(["s", "ghost"])
+    assert guard.gone_sources() == frozenset()  # nothing asked yet
+    guard.renew()
+    assert guard.gone_sources() == {"ghost"}
+    service.heartbeat(watch_source_ids=["s"])  # a watch is no sign of life...
+    guard.watch_sources(["s"])
+    guard.renew()
+    assert guard.gone_sources() == {"ghost"}  # ...and what was gone stays gone for this pull
+    guard.check()  # the lease itself is held
+    guard.abandon()
