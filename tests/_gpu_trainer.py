@@ -46,14 +46,14 @@ def allocate(device: str, extra_bytes: int):
     return views
 
 
-def run(address: str, model: str, device: str, conn, extra_bytes: int = 2 << 20) -> None:
+def run(address: str, model: str, device: str, conn, extra_bytes: int = 2 << 20, checksums: bool = False) -> None:
     import torch
 
     from mx_refit.publisher import Publisher
 
     try:
         torch.cuda.set_device(device)
-        pub = Publisher(address, model, ttl_s=30.0)
+        pub = Publisher(address, model, ttl_s=30.0, checksums=checksums, checksum_block_bytes=64 << 10)
         live = allocate(device, extra_bytes)
         conn.send(("ready", os.getpid()))
         while True:
@@ -72,6 +72,12 @@ def run(address: str, model: str, device: str, conn, extra_bytes: int = 2 << 20)
                 conn.send(("published", {"registrations": pub.transport.registrations,
                                          "exported": bool(handles), "handles": handles,
                                          "ptrs": [t.tensor.data_ptr() for t in live]}))
+            elif cmd == "flip":  # one bit of one published tensor, in VRAM, after its checksums were taken
+                index, offset, bit = arg
+                flat = live[index].tensor.view(-1)
+                flat[offset] ^= 1 << bit
+                torch.cuda.synchronize()
+                conn.send(("flipped", live[index].name))
             elif cmd == "drain":
                 pub.wait_drained(arg, timeout_s=30)
                 conn.send(("drained", True))

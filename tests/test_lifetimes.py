@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mx_refit.errors import FailedPrecondition
+from mx_refit.errors import FailedPrecondition, TransferError
 from mx_refit.publisher import Publisher
 from mx_refit.receiver import Receiver
 from mx_refit.types import PublishedTensor
@@ -73,3 +73,36 @@ def test_a_forced_cuda_ipc_reader_names_the_source_it_cannot_serve(mx_catalog, m
         assert engine == {}  # nothing loaded
         leases = [v.leases for v in rec.client.list_versions(model=mx_model_name)]
         assert leases == [0]  # the failed refit released its lease
+
+
+def test_a_receiver_closed_during_refits_fails_them_with_one_kind_of_error(mx_catalog, mx_model_name):
+    """Whichever part notices the close first (the lease, the catalog client, the transport),
+    a refit running meanwhile ends in a TransferError saying so, and a later one too."""
+    import random
+    import threading
+    import time
+
+    rng = random.Random(5)
+    with Publisher(mx_catalog, mx_model_name) as pub:
+        pub.publish(1, [PublishedTensor("w", torch.randn(1 << 18))])
+        for _ in range(6):
+            rec = Receiver(mx_catalog, mx_model_name)
+            errors: list[Exception] = []
+
+            def cycles(rec: Receiver, errors: list[Exception]) -> None:
+                while True:
+                    try:
+                        rec.refit(1)
+                    except Exception as exc:  # the test inspects it
+                        errors.append(exc)
+                        return
+
+            worker = threading.Thread(target=cycles, args=(rec, errors))
+            worker.start()
+            time.sleep(rng.uniform(0.005, 0.15))
+            rec.close()
+            worker.join(60)
+            assert not worker.is_alive() and len(errors) == 1
+            assert isinstance(errors[0], TransferError) and "closed" in str(errors[0]), repr(errors[0])
+            with pytest.raises(TransferError, match="closed"):
+                rec.refit(1)

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mx_refit.errors import TransferError  # noqa: E402
+from mx_refit.errors import ChecksumMismatch, TransferError  # noqa: E402
 from mx_refit.receiver import Receiver  # noqa: E402
 from tests import _gpu_trainer  # noqa: E402
 
@@ -29,10 +29,10 @@ EXTRA = 2 << 20
 
 
 class Trainer:
-    def __init__(self, address: str, model: str, extra_bytes: int = EXTRA) -> None:
+    def __init__(self, address: str, model: str, extra_bytes: int = EXTRA, checksums: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_gpu_trainer.run, args=(address, model, DEVICE, child, extra_bytes),
+        self.proc = ctx.Process(target=_gpu_trainer.run, args=(address, model, DEVICE, child, extra_bytes, checksums),
                                 daemon=True)
         self.proc.start()
         self.pid = self.expect("ready")
@@ -175,5 +175,26 @@ def test_receiver_closing_mid_cycle(mx_catalog, mx_model_name):
         assert sum(v.leases for v in rec.client.list_versions(model=mx_model_name)) == 0
         with pytest.raises(TransferError, match="closed"):
             rec.refit(1)
+    finally:
+        trainer.close()
+
+
+def test_checksums_taken_in_vram_catch_a_flipped_bit_over_cuda_ipc(mx_catalog, mx_model_name):
+    """Checksums computed on the trainer's GPU, verified on the receiver's: a bit flipped in the
+    trainer's VRAM after publishing is caught, nothing is loaded; restored, the refit verifies."""
+    trainer = Trainer(mx_catalog, mx_model_name, checksums=True)
+    try:
+        with Receiver(mx_catalog, mx_model_name, device=DEVICE, checksums=True) as rec:
+            trainer.do("publish", (1, 31), "published")
+            first = rec.refit(1)
+            check(first, 31)
+            assert first.stats.transport == "cuda_ipc" and first.stats.blocks_verified > 0
+            name = trainer.do("flip", (3, 12345, 6), "flipped")
+            with pytest.raises(ChecksumMismatch, match=f"tensor {name!r}"):
+                rec.refit(1)
+            trainer.do("flip", (3, 12345, 6), "flipped")
+            again = rec.refit(1)
+            check(again, 31)
+            assert again.stats.blocks_verified == first.stats.blocks_verified
     finally:
         trainer.close()

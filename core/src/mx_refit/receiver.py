@@ -117,6 +117,7 @@ class Receiver:
         self.model = model
         self.client: Catalog = as_catalog(catalog, token=token)
         self._owns_client = isinstance(catalog, str)  # made here from an address: closed here
+        self._closing = False
         self.hooks = hooks or Hooks()
         self.engine = engine
         self.target = target or self.hooks.target_layout(engine)
@@ -263,11 +264,19 @@ class Receiver:
         try:
             return self._refit(attempt, version, min_version, wait_s, notify)
         except Exception as exc:
+            error = exc
+            if self._closing and not isinstance(exc, TransferError):
+                # Closed under the refit: whichever part noticed first (the lease, the catalog
+                # client, the transport), the caller sees one kind of error.
+                error = TransferError(f"receiver {self.reader_id!r} was closed during the refit: {exc}")
+                error.__cause__ = exc
             try:
-                self.hooks.refit_failed(self.model, attempt[0] if attempt else version, exc)
+                self.hooks.refit_failed(self.model, attempt[0] if attempt else version, error)
             except Exception:  # a failing observer must not hide the refit's own error
                 log.exception("mx_refit_refit_failed hook raised")
-            raise
+            if error is exc:
+                raise
+            raise error from exc
 
     def _refit(
         self, attempt: list[int], version: int | None, min_version: int, wait_s: float, notify: bool
@@ -498,7 +507,9 @@ class Receiver:
     def close(self) -> None:
         """Release what this receiver made: its transport (from a given one only the arena is
         deregistered) and the catalog client it dialled. A replica it offers is withdrawn first
-        (waiting, bounded, for its readers)."""
+        (waiting, bounded, for its readers). A refit running meanwhile fails with a
+        :class:`~mx_refit.errors.TransferError` saying the receiver was closed."""
+        self._closing = True
         if self.replica is not None:
             try:
                 self.replica.withdraw()
