@@ -121,6 +121,7 @@ class ReplicaCatalog:
         def _txn_now(self) -> Txn: ...
         def _generation(self) -> int: ...
         def _record_locked(self, model: object, version: object) -> VersionRecord: ...
+        def _wait_until_unread(self, check: Callable[[float], tuple[bool, float, int]], deadline: float) -> bool: ...
         store: CatalogStore
 
     def register_replica(
@@ -198,14 +199,7 @@ class ReplicaCatalog:
             next_expiry = min(lease.expires_at for lease in reading)
             return False, max(next_expiry - now, 0.001), self._generation()
 
-        while True:
-            drained, until_expiry, generation = self._txn(check)
-            if drained:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self.store.wait_for_change(generation, min(remaining, until_expiry))
+        return self._wait_until_unread(check, deadline)
 
     def _drop_replica_locked(self, rec: VersionRecord, source_id: str) -> None:
         rec.replicas.pop(source_id, None)

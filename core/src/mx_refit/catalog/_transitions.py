@@ -67,6 +67,20 @@ class CatalogCore:
 
         return self.store.run(run)
 
+    def _wait_until_unread(self, check: Callable[[float], tuple[bool, float, int]], deadline: float) -> bool:
+        """Run ``check(now)`` (one store call: no reader left?, seconds until the next lease
+        expiry, the store's generation) until it says so (True) or ``deadline`` (monotonic)
+        passes (False). In between, sleep until the store changes (a release, the reaper, in
+        any catalog process on the store) or that expiry comes."""
+        while True:
+            unread, until_expiry, generation = self._txn(check)
+            if unread:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.store.wait_for_change(generation, min(remaining, until_expiry))
+
     # --- internals (all called inside a store call) ---------------------------------------
 
     def _txn_now(self) -> Txn:

@@ -354,15 +354,7 @@ class CatalogService(ReplicaCatalog, CatalogCore):
             next_expiry = min(lease.expires_at for lease in holding)
             return False, max(next_expiry - now, 0.001), self._generation()
 
-        while True:
-            drained, until_expiry, generation = self._txn(check)
-            if drained:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            # Releases, expiries and the reaper notify (in any catalog process on the store).
-            self.store.wait_for_change(generation, min(remaining, until_expiry))
+        return self._wait_until_unread(check, deadline)
 
     # --- reader side ----------------------------------------------------------------------
 
