@@ -13,14 +13,13 @@ import re
 import socket
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mx_refit.testing.checkpoints import build_version
-from mx_refit.testing.procs import Child
+from mx_refit.testing.procs import Child, start_concurrently
 
 HERE = Path(__file__).resolve().parent
 
@@ -98,19 +97,11 @@ class DynamoWorkerProc:
 
 
 def start_workers(specs: list[tuple[str, int]], hf_dir: Path, log_dir: Path, **extra: str) -> list[DynamoWorkerProc]:
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(DynamoWorkerProc, name, tp, hf_dir, log_dir, **extra) for name, tp in specs]
-    workers, errors = [], []
-    for future in futures:
-        try:
-            workers.append(future.result())
-        except Exception as exc:
-            errors.append(exc)
-    if errors:
-        for worker in workers:
-            worker.stop()
-        raise errors[0]
-    return workers
+    return start_concurrently(
+        [(lambda name=name, tp=tp: DynamoWorkerProc(name, tp, hf_dir, log_dir, **extra))
+         for name, tp in specs],
+        stop=lambda worker: worker.stop(),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -219,22 +220,32 @@ def start_group(
 ) -> Group:
     """Start one child per rank concurrently (their startups overlap); if any fails, the others
     are killed and its error raised."""
-    with ThreadPoolExecutor(len(per_rank_args)) as pool:
-        futures = [
-            pool.submit(Child, f"{prefix}-{rank}", python, script, args, log_dir, env, start_timeout_s)
+    return Group(start_concurrently(
+        [
+            partial(Child, f"{prefix}-{rank}", python, script, args, log_dir, env, start_timeout_s)
             for rank, args in enumerate(per_rank_args)
-        ]
-        children, failures = [], []
-        for future in futures:
-            try:
-                children.append(future.result())
-            except Exception as exc:
-                failures.append(exc)
+        ],
+        stop=Child.kill,
+    ))
+
+
+def start_concurrently[T](starts: Sequence[Callable[[], T]], stop: Callable[[T], None]) -> list[T]:
+    """Call every ``starts[i]()`` at once (slow process startups overlap); if any raises, the
+    ones that started are stopped with ``stop`` and the first error is raised."""
+    with ThreadPoolExecutor(max(len(starts), 1)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started: list[T] = []
+    failures: list[Exception] = []
+    for future in futures:
+        try:
+            started.append(future.result())
+        except Exception as exc:
+            failures.append(exc)
     if failures:
-        for child in children:
-            child.kill()
+        for item in started:
+            stop(item)
         raise failures[0]
-    return Group(children)
+    return started
 
 
 def core_python() -> str | None:
