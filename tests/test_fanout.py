@@ -96,7 +96,9 @@ def test_replica_offered_only_once_ready_and_leases_honour_the_cap(catalog, mx_m
     m = mx_model_name
     _version(catalog, m)
     full = [Mirror("t0", 0x1000, 64, 0x9000), Mirror("t1", 0x2000, 64, 0x9040)]
-    catalog.register_replica(m, 1, _replica("r1", full, ready=False))
+    # A replica promises no lease fence (its arena is rewritten once the catalog says its
+    # readers left), whatever it sends: its readers always wait for the release's answer.
+    catalog.register_replica(m, 1, replace(_replica("r1", full, ready=False), lease_fence_s=60.0))
     info = catalog.get_version(m, 1)
     assert info.replicas == ()  # incomplete: never offered
     with pytest.raises(SourcesBusy, match="r1 are not offered"):
@@ -104,6 +106,7 @@ def test_replica_offered_only_once_ready_and_leases_honour_the_cap(catalog, mx_m
     catalog.mark_ready(m, 1, "r1")
     info = catalog.get_version(m, 1)
     assert [r.source_id for r in info.replicas] == ["r1"] and info.replicas[0].mirrors == tuple(full)
+    assert info.replicas[0].lease_fence_s == 0.0
     assert replica_tensor_ranges(info, info.replicas[0]) == {"t0": {"w": [(0, 64)]}, "t1": {"w": [(0, 64)]}}
 
     # cap 1: a lease naming no source reads every trainer source

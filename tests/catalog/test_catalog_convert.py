@@ -132,3 +132,11 @@ def test_unspecified_enums_from_the_wire_are_rejected() -> None:
 def test_out_of_range_integers_are_rejected_when_encoding() -> None:
     with pytest.raises(InvalidArgument, match=r"tensors\[0\]: cannot encode descriptor 'w'"):
         convert.descriptor_to_proto(desc(addr=2**64), "tensors[0]")
+
+
+def test_a_lease_fence_survives_the_wire() -> None:
+    from dataclasses import replace
+
+    fenced = replace(source("s0"), lease_fence_s=60.0)
+    assert convert.source_from_proto(convert.source_to_proto(fenced)).lease_fence_s == 60.0
+    assert convert.source_from_proto(convert.source_to_proto(source("s0"))).lease_fence_s == 0.0

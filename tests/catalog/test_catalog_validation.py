@@ -3,7 +3,9 @@ value, and catalog state untouched afterwards."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -403,3 +405,15 @@ def test_expired_lease_is_not_found(seeded: CatalogService, clock: FakeClock) ->
     assert_rejected(
         seeded, lambda: seeded.release_lease(lease), NotFound, f"unknown or expired lease '{lease}'"
     )
+
+
+def test_a_lease_fence_must_be_finite_and_non_negative(seeded: CatalogService) -> None:
+    for bad in (-1.0, math.inf, math.nan, "5", True):
+        broken = replace(source("fence"), lease_fence_s=bad)  # type: ignore[arg-type]
+        assert_rejected(
+            seeded, lambda broken=broken: seeded.register_source("m", 9, 1, broken), InvalidArgument,
+            "source.lease_fence_s:",
+        )
+    seeded.register_source("m", 9, 1, replace(source("fence"), lease_fence_s=12.5))
+    seeded.mark_ready("m", 9, "fence")
+    assert seeded.get_manifest("m", 9).sources[0].lease_fence_s == 12.5

@@ -1,6 +1,6 @@
 """Publisher and reader processes for fault-injection tests, driven by JSON lines on stdin.
 
-``python _workers.py publisher --catalog ADDR --model M [--rank R --ranks N --ttl S]``
+``python _workers.py publisher --catalog ADDR --model M [--rank R --ranks N --ttl S --lease-fence S]``
 ``python _workers.py reader --catalog ADDR --model M [--lease-ttl S] [--gate]``
 ``python _workers.py zygote --catalog ADDR --model M`` (forks publisher processes on command;
 ``{"cmd": "spawn", "fn": "module:function", ...}`` forks one running that function instead)
@@ -52,7 +52,7 @@ def run_publisher(args: argparse.Namespace) -> None:
     tensors = [pattern(0, args.rank, k) for k in range(TENSORS)]
     pub = Publisher(
         args.catalog, args.model, mesh=MeshPosition(tp_rank=args.rank, tp_size=args.ranks),
-        expected_sources=args.ranks, ttl_s=args.ttl,
+        expected_sources=args.ranks, ttl_s=args.ttl, lease_fence_s=args.lease_fence,
     )
     published = [PublishedTensor(f"r{args.rank}.t{k}", t) for k, t in enumerate(tensors)]
     emit({"event": "ready", "pid": os.getpid(), "source_id": pub.source_id})
@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--ttl", type=float, default=5.0)
+    parser.add_argument("--lease-fence", type=float, default=2.0)
     parser.add_argument("--lease-ttl", type=float, default=1.0)
     parser.add_argument("--transfer-timeout", type=float, default=10.0)
     parser.add_argument("--gate", action="store_true")

@@ -19,6 +19,17 @@ transfer timeout (:meth:`LeaseGuard.gone_sources`, polled by the transport's rea
 Renewals cost nothing for short pulls: the timer first fires at a third of the TTL. A
 :class:`LeaseRenewer` keeps one renewal thread across a receiver's refits, so a steady refit
 starts no thread (starting one costs 0.1-0.3 ms, as much as a third of a catalog round trip).
+
+The release need not be waited for when the lease's own deadline already proves it was held
+(:meth:`LeaseGuard.release` with ``fence_s``). Within one catalog life a lease ends only when
+released or at its deadline, never earlier. Across a catalog that lost its leases (a restart
+of a store that keeps nothing), every source of the version promised a fence: its publisher
+learns of the loss at some time ``n`` after the old catalog died at ``d``, and mutates nothing
+before ``n + fence_s``; a lease acknowledged by the old catalog is held locally until at most
+``d + ttl_s``. With ``ttl_s <= fence_s`` and the pull finished before the local bound, no
+source mutated a byte during the pull whatever the catalog did, so the refit loads at once and
+the release (it still ends the drain, and counts the completed read) goes out on the renewal
+thread. Otherwise the refit waits for the catalog's answer as before.
 """
 
 from __future__ import annotations
@@ -38,6 +49,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["LeaseGuard", "LeaseRenewer"]
 
 log = logging.getLogger(__name__)
+
+# Slack on the local bound before it confirms a lease by itself: monotonic clocks of two hosts
+# may run apart by up to ~500 ppm (NTP's slew limit), plus a fixed margin for scheduling.
+_DEADLINE_SLACK_FRACTION = 1e-3
+_DEADLINE_SLACK_S = 0.01
 
 
 class LeaseGuard:
@@ -150,18 +166,54 @@ class LeaseGuard:
         if now > self._held_until:
             self._fail(self._lapsed_cause(now))
 
-    def release(self, *, completed: bool = False) -> None:
+    def release(self, *, completed: bool = False, fence_s: float = 0.0) -> str:
         """Release the lease and confirm it was held until now, else raise :class:`LeaseLost`.
-        ``completed``: the reader pulled everything it needed (counted by ``wait_read``)."""
+
+        ``completed``: the reader pulled everything it needed (counted by ``wait_read``).
+        ``fence_s``: the smallest ``lease_fence_s`` of the sources the pull may have read. When
+        it covers the TTL and the local bound still holds, the deadline confirms the lease and
+        the release is sent on the renewal thread without waiting (see the module docstring).
+        Returns how the lease was confirmed: ``"deadline"`` or ``"catalog"``.
+        """
         self.stop()
         if self._lost is not None:
             self._fail(self._gone_cause(self._lost))
+        if (
+            self._held_by_deadline(fence_s)
+            and self._renewer is not None
+            and self._renewer.release_later(self, completed)
+        ):
+            return "deadline"
         try:
             self._catalog.release_lease(lease_id=self.lease_id, completed=completed)
         except NotFound as exc:
             self._fail(self._gone_cause(str(exc)))
         except MxRefitError as exc:
             self._fail(f"the release could not be confirmed by the catalog ({type(exc).__name__}: {exc})")
+        return "catalog"
+
+    def _held_by_deadline(self, fence_s: float) -> bool:
+        """Whether the lease is provably held until now without asking the catalog."""
+        slack = _DEADLINE_SLACK_S + self.ttl_s * _DEADLINE_SLACK_FRACTION
+        return (
+            fence_s >= self.ttl_s
+            and self._renew_error is None
+            and time.monotonic() < self._held_until - slack
+        )
+
+    def send_release(self, completed: bool) -> None:
+        """Send a release whose lease the deadline already confirmed (on the renewal thread):
+        it ends the publisher's drain early and counts the read; if it cannot be delivered the
+        lease simply runs out at its TTL."""
+        try:
+            self._catalog.release_lease(lease_id=self.lease_id, completed=completed)
+        except NotFound as exc:  # the catalog lost it: the sources' fences covered the pull
+            log.info("lease %s on %s: released after the catalog forgot it: %s", self.lease_id, self.label, exc)
+        except Exception as exc:
+            log.warning(
+                "lease %s on %s: release not delivered (%s); the catalog ends it at its TTL of %g s",
+                self.lease_id, self.label, exc, self.ttl_s,
+            )
 
     def abandon(self) -> None:
         """Stop renewing and release best-effort (the refit already failed for another reason)."""
@@ -231,6 +283,8 @@ class LeaseRenewer:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._wakes_at = math.inf  # when the sleeping thread wakes by itself (inf: never)
+        self._releases: list[tuple[LeaseGuard, bool]] = []  # confirmed by deadline, to send
+        self._sending = False  # a release is on the wire
 
     def watch(self, guard: LeaseGuard) -> bool:
         """Renew ``guard`` from now on (instead of the previous lease); False once closed."""
@@ -238,12 +292,27 @@ class LeaseRenewer:
             if self._closed:
                 return False
             self._guard = guard
-            if self._thread is None or not self._thread.is_alive():  # first lease, or a forked child
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            elif guard.next_renewal < self._wakes_at:
+            if not self._ensure_thread() and guard.next_renewal < self._wakes_at:
                 self._cond.notify()
             return True
+
+    def release_later(self, guard: LeaseGuard, completed: bool) -> bool:
+        """Send ``guard``'s release on this thread, soon; False once closed (send it yourself)."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._releases.append((guard, completed))
+            if not self._ensure_thread():
+                self._cond.notify()
+            return True
+
+    def _ensure_thread(self) -> bool:
+        """Start the thread on first use (or in a forked child); True when it was started."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        return True
 
     def unwatch(self, guard: LeaseGuard) -> None:
         """Stop renewing ``guard`` (the thread is not woken: it finds out when it wakes)."""
@@ -251,15 +320,30 @@ class LeaseRenewer:
             if self._guard is guard:
                 self._guard = None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop renewing; releases still queued are sent first (waited for up to ``timeout_s``:
+        an undelivered one holds the publisher's drain until its TTL runs out)."""
         with self._cond:
             self._closed = True
             self._guard = None
             self._cond.notify()
+            pending, thread = bool(self._releases) or self._sending, self._thread
+        if pending and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def _run(self) -> None:
         with self._cond:
-            while not self._closed:
+            while self._releases or not self._closed:
+                if self._releases:
+                    releasing, completed = self._releases.pop(0)
+                    self._sending = True
+                    self._cond.release()  # the round trip must not block release_later/watch
+                    try:
+                        releasing.send_release(completed)
+                    finally:
+                        self._cond.acquire()
+                        self._sending = False
+                    continue
                 guard = self._guard
                 wait = math.inf if guard is None else guard.next_renewal - time.monotonic()
                 if guard is None or wait > 0:

@@ -97,6 +97,11 @@ class Publisher:
         with it, :meth:`wait_read` replaces :meth:`wait_drained` for trainers that have no
         central driver telling them when the readers are done. 0: not tracked.
     :param drain_timeout_s: Default wait of :meth:`wait_drained` and :meth:`wait_retired`.
+    :param lease_fence_s: Once this publisher learns that the catalog lost its registration (a
+        restart of a store that keeps nothing, and with it every reader's lease), its drains
+        keep the buffers untouched this long. Published with each version: readers whose lease
+        TTL is at most this trust their lease's deadline instead of waiting for the release's
+        answer (one catalog round trip less per refit). 0: no promise.
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class Publisher:
         ttl_s: float = 30.0,
         expected_readers: int = 0,
         drain_timeout_s: float = 120.0,
+        lease_fence_s: float = 60.0,
         transport_mode: str = "auto",
         checksums: bool = False,
         checksum_block_bytes: int = 1 << 20,
@@ -132,6 +138,12 @@ class Publisher:
             raise InvalidArgument(f"expected_sources: must be an integer >= 1, got {expected_sources!r}")
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (0 < ttl_s < math.inf):
             raise InvalidArgument(f"ttl_s: must be a finite number of seconds > 0, got {ttl_s!r}")
+        if isinstance(lease_fence_s, bool) or not isinstance(lease_fence_s, (int, float)) or not (
+            0 <= lease_fence_s < math.inf
+        ):
+            raise InvalidArgument(f"lease_fence_s: must be a finite number of seconds >= 0, got {lease_fence_s!r}")
+        self.lease_fence_s = float(lease_fence_s)
+        self._fenced_until = 0.0  # monotonic: no mutation before (the catalog lost our leases)
         self.expected_sources = expected_sources
         # Stable per mesh position, so a restarted rank replaces its own entry.
         self.source_id = source_id or (
@@ -182,6 +194,7 @@ class Publisher:
             "token": cfg.catalog.token,
             "ttl_s": cfg.source_ttl_s,
             "drain_timeout_s": cfg.drain_timeout_s,
+            "lease_fence_s": cfg.lease_ttl_s,  # covers the readers' leases of the same recipe
             "transport_mode": cfg.transport,
             "checksums": cfg.checksums,
             "checksum_block_bytes": cfg.checksum_block_bytes,
@@ -202,6 +215,7 @@ class Publisher:
         except NotFound:
             # The catalog lost this source (it restarted, or our TTL lapsed): register every
             # version whose buffers are still intact again, so readers resume.
+            self._catalog_lost()
             self._reregister()
         except FailedPrecondition as exc:
             if self.superseded is None:
@@ -274,6 +288,7 @@ class Publisher:
             cuda_ipc=cuda_ipc,
             incarnation=self.incarnation,
             checksums=checksums,
+            lease_fence_s=self.lease_fence_s,
         )
         self.client.register_source(
             model=self.model,
@@ -355,7 +370,8 @@ class Publisher:
                 remaining = max(deadline - time.monotonic(), 0.0)
                 if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining):
                     break
-            except NotFound:
+            except NotFound:  # forgotten: its leases too, which readers may still hold
+                self._catalog_lost()
                 break
             except (Unavailable, FailedPrecondition) as exc:
                 # Unreachable, or re-registered as READY by a concurrent beat: retire again.
@@ -366,8 +382,41 @@ class Publisher:
                 raise TimeoutError(
                     f"version {version} of {self.model!r} still has live reader leases after {timeout_s:g}s"
                 )
+        self._hold_fence(version, deadline)
         self._last_drained = version
         self.hooks.version_drained(self.model, version)
+
+    def _catalog_lost(self) -> None:
+        """The catalog no longer knows this source, so it lost any lease on our versions; a
+        reader may trust such a lease until its deadline: mutate nothing for the fence."""
+        self._fenced_until = max(self._fenced_until, time.monotonic() + self.lease_fence_s)
+
+    def _hold_fence(self, version: int, deadline: float) -> None:
+        """Before a drain lets the buffers be mutated: make sure the catalog that said
+        "drained" is the one that granted the version's leases (it still knows this source:
+        another rank may have re-registered the version with a restarted catalog), and wait
+        out the fence if it lost them."""
+        if self.lease_fence_s <= 0:
+            return
+        try:
+            self.client.heartbeat(source_ids=[self.source_id], incarnations={self.source_id: self.incarnation})
+        except (NotFound, Unavailable):  # lost us, or cannot tell: assume it lost our leases
+            self._catalog_lost()
+        except FailedPrecondition:
+            pass  # a restarted rank took this source over; its own drains decide
+        wait = self._fenced_until - time.monotonic()
+        if wait <= 0:
+            return
+        if time.monotonic() + wait > deadline:
+            raise TimeoutError(
+                f"version {version} of {self.model!r}: the catalog lost its leases, and readers may "
+                f"hold them for another {wait:.3g} s (lease_fence_s={self.lease_fence_s:g}) after the timeout"
+            )
+        log.warning(
+            "%s: the catalog lost its leases on %s v%d; leaving the buffers untouched %.3g s more "
+            "(lease_fence_s)", self.source_id, self.model, version, wait,
+        )
+        time.sleep(wait)
 
     def release_buffers(self) -> int:
         """Unpin every published buffer (NIXL registrations and CUDA IPC exports), so the trainer
@@ -413,6 +462,7 @@ class Publisher:
             if not wait.sleep():
                 state = summary.state.value if summary is not None else "forgotten or never registered"
                 raise TimeoutError(f"version {version} of {self.model!r} not retired after {timeout_s:g}s ({state})")
+        self._hold_fence(version, wait.deadline)
         self.hooks.version_drained(self.model, version)
 
     def _summary(self, version: int) -> "VersionSummary | None":

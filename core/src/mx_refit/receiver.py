@@ -242,8 +242,10 @@ class Receiver:
         """Discover, lease, pull every needed byte, release, then materialise and load.
 
         Nothing reaches the engine until every byte has arrived and been size-checked and the
-        catalog confirmed that the lease was held for the whole pull, so a failed pull leaves
-        the engine's previous weights untouched. A lease that was lost (its TTL ran out,
+        lease is known to have been held for the whole pull (the catalog's answer to the
+        release, or the lease's own deadline when every source promised a restart fence:
+        ``stats.lease_confirmed_by``), so a failed pull leaves the engine's previous weights
+        untouched. A lease that was lost (its TTL ran out,
         heartbeats could not reach the catalog, the catalog restarted) raises
         :class:`~mx_refit.errors.LeaseLost` naming the lease and the cause; a renewal that
         finds the lease gone aborts the pull at once. A source that fails mid-pull (killed, its
@@ -333,10 +335,12 @@ class Receiver:
                 lease.abandon()
             raise
         # Every byte is in the arena: this reader is done with the publisher's buffers. The
-        # catalog confirms the lease was held until now, or LeaseLost: the bytes may have been
-        # mutated under the pull, and nothing may reach the engine.
+        # lease is confirmed held until now (by the catalog's answer, or by its own deadline
+        # when every source the pull may have read promised a fence), or LeaseLost: the bytes
+        # may have been mutated under the pull, and nothing may reach the engine.
         stopping = time.perf_counter()
-        lease.release(completed=True)
+        fences = [s.lease_fence_s for s in (*sources.values(), *info.sources)]
+        confirmed_by = lease.release(completed=True, fence_s=min(fences, default=0.0))
         released = time.perf_counter()
 
         pulled = sum(report.nbytes.values())
@@ -371,6 +375,7 @@ class Receiver:
             replicas_read=len(sources.keys() - {s.source_id for s in info.sources}),
             failed_over=pulled_by.failed_over,
             bytes_reread=pulled_by.bytes_reread,
+            lease_confirmed_by=confirmed_by,
         )
         if notify:
             self.hooks.refit_done(stats)

@@ -203,6 +203,12 @@ class SourceInfo:
     ``checksums``: per-block checksums of the tensors' bytes for this version, or ``None`` (off).
     Like ``cuda_ipc`` it is sent with every reply and is not part of ``layout_digest``: the
     bytes change every version while the layout does not.
+
+    ``lease_fence_s``: the source's promise about leases the catalog may lose (a restart of a
+    catalog whose store keeps nothing): once its publisher learns the catalog no longer knows
+    it, it leaves its buffers untouched this long before mutating them. A reader whose lease
+    TTL is at most every source's fence may then trust its lease's own deadline and release
+    without waiting for the catalog's answer (:mod:`mx_refit._lease`). 0: no promise (replicas).
     """
 
     source_id: str
@@ -219,6 +225,7 @@ class SourceInfo:
     # A replica source (``weight_sync.fanout: tree``): the trainer sources' bytes it holds, and
     # ``tensors`` is its one registered receive arena (a uint8 buffer). Empty for a trainer rank.
     mirrors: tuple[Mirror, ...] = ()
+    lease_fence_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -314,6 +321,9 @@ class RefitStats:
     # the bytes read again for that (0 and () when nothing failed).
     failed_over: tuple[str, ...] = ()
     bytes_reread: int = 0
+    # How the lease was known held for the whole pull: "catalog" (the release's answer was
+    # waited for) or "deadline" (its local bound, under the sources' fences; sent after).
+    lease_confirmed_by: str = "catalog"
 
     @property
     def gbps(self) -> float:

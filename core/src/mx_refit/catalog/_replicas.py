@@ -148,7 +148,9 @@ class ReplicaCatalog:
             if rec.state is not VersionState.READY:
                 raise FailedPrecondition(f"{rec.label} is {rec.state.value}; only READY versions take replicas")
             mirrors = validate_mirrors(rec, clean, source.mirrors, self.limits.max_descriptors_per_source)
-            clean = replace(clean, mirrors=mirrors, incarnation="")
+            # A replica's arena is rewritten once the catalog says its readers left; it makes
+            # no promise for leases a catalog restart loses, so its readers wait for answers.
+            clean = replace(clean, mirrors=mirrors, incarnation="", lease_fence_s=0.0)
             old = rec.replicas.get(sid)
             if old is not None and sid not in rec.withdrawn:
                 if replace(old, ready=clean.ready) != clean:

@@ -227,6 +227,7 @@ def source_to_proto(
         msg.ready = source.ready
         msg.layout_digest = source.layout_digest
         msg.incarnation = source.incarnation
+        msg.lease_fence_s = source.lease_fence_s
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
     if source.cuda_ipc is not None:
@@ -300,6 +301,7 @@ def source_from_proto(
             if msg.HasField("checksums") else None
         ),
         mirrors=tuple(Mirror(m.source_id, m.source_addr, m.nbytes, m.addr) for m in msg.mirrors),
+        lease_fence_s=msg.lease_fence_s,
     )
 
 

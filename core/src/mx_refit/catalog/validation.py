@@ -464,6 +464,9 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         incarnation=_check_incarnation(source.incarnation),
         cuda_ipc=cuda_ipc,
         checksums=checksums,
+        lease_fence_s=check_seconds(
+            source.lease_fence_s, "source.lease_fence_s", maximum=limits.max_ttl_s, allow_zero=True
+        ),
     )
 
 

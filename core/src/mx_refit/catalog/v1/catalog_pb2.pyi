@@ -97,7 +97,7 @@ class TensorDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors", "lease_fence_s")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class SourceInfo(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FENCE_S_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
@@ -124,7 +125,8 @@ class SourceInfo(_message.Message):
     cuda_ipc: CudaIpcExport
     checksums: BlockChecksums
     mirrors: _containers.RepeatedCompositeFieldContainer[Mirror]
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ...) -> None: ...
+    lease_fence_s: float
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ...) -> None: ...
 
 class BlockChecksums(_message.Message):
     __slots__ = ("block_bytes", "sums")
