@@ -5,6 +5,8 @@ the call), and end to end with a real ``Publisher`` and ``Receiver`` (NIXL, UCX 
 
 from __future__ import annotations
 
+import time
+
 from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
@@ -168,7 +170,7 @@ class _CountingService(CatalogService):
         return super().heartbeat(*args, **kwargs)
 
 
-def test_a_refit_takes_two_catalog_round_trips(mx_model_name: str) -> None:
+def test_a_refit_waits_for_one_catalog_round_trip_and_releases_after(mx_model_name: str) -> None:
     from mx_refit.publisher import Publisher
     from mx_refit.receiver import Receiver
     from mx_refit.types import PublishedTensor
@@ -180,16 +182,26 @@ def test_a_refit_takes_two_catalog_round_trips(mx_model_name: str) -> None:
         Publisher(srv.address, mx_model_name) as pub,
         Receiver(srv.address, mx_model_name) as rec,
     ):
-        for version in (1, 2):
+        for version in (1, 2, 3):
             if version > 1:
                 pub.wait_drained(version - 1, timeout_s=30)
                 weight.add_(1)
             pub.publish(version, [PublishedTensor("w", weight)])
             service.calls.clear()
+            express_before = rec.client.express_calls
             result = rec.refit(min_version=version)
             assert result.version.version == version
             assert torch.equal(dict(result.tensors)["w"], weight)
+            # The lease's deadline confirmed it (the publisher's fence covers the reader's TTL):
+            # the release is sent after the refit returned, on the renewal thread.
+            assert result.stats.lease_confirmed_by == "deadline"
+            deadline = time.monotonic() + 10
+            while service.calls["release_lease"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
             assert service.calls == Counter(lease_manifest=1, release_lease=1), service.calls
+            # From the second refit on, both calls take the express lane the first reply offered.
+            if version > 1:
+                assert rec.client.express_calls == express_before + 2
 
 
 def test_a_catalog_that_only_offers_the_two_steps_still_refits(mx_model_name: str) -> None:

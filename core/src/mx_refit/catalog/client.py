@@ -13,6 +13,7 @@ sends an unchanged layout or sidecar only once; results equal a full fetch.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -41,6 +42,7 @@ from mx_refit.catalog.digests import (
     ManifestStats,
     UnknownDigest,
 )
+from mx_refit.catalog.express import EXPRESS_METHODS, ExpressClient, ExpressStatus, LaneDown
 from mx_refit.catalog.status import RETRYABLE, error_for
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
@@ -49,6 +51,9 @@ from mx_refit.errors import InvalidArgument, MxRefitError, Unavailable
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
 __all__ = ["CatalogClient"]
+
+log = logging.getLogger(__name__)
+_EXPRESS_RETRY_AFTER_S = 60.0  # a lane that failed is not dialled again for this long
 
 
 def _request(cls: type[Message], **fields: Any) -> Any:
@@ -107,6 +112,7 @@ class CatalogClient:
         backoff_s: float = 0.1,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         manifest_cache_versions: int = 2,
+        express: bool = True,
     ) -> None:
         if not isinstance(address, str) or not address:
             raise InvalidArgument(
@@ -134,6 +140,12 @@ class CatalogClient:
         self._stub: catalog_pb2_grpc.CatalogServiceStub | None = None
         self._pid = -1
         self._lease_version_unsupported = False  # the catalog answered UNIMPLEMENTED once
+        # The catalog's express lane (mx_refit.catalog.express), once it offered one.
+        self.express = bool(express)
+        self._express: ExpressClient | None = None
+        self._express_pid = -1
+        self._express_failed: tuple[int, float] | None = None  # (port, when) of the last failure
+        self.express_calls = 0
 
     # --- pickling: configuration only ---------------------------------------------------
 
@@ -146,6 +158,7 @@ class CatalogClient:
             "backoff_s": self.backoff_s,
             "max_message_bytes": self.max_message_bytes,
             "manifest_cache_versions": self.manifest_cache_versions,
+            "express": self.express,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -157,6 +170,7 @@ class CatalogClient:
             backoff_s=state["backoff_s"],
             max_message_bytes=state["max_message_bytes"],
             manifest_cache_versions=state.get("manifest_cache_versions", 2),
+            express=state.get("express", True),
         )
 
     def __repr__(self) -> str:
@@ -185,12 +199,49 @@ class CatalogClient:
             return self._stub
 
     def close(self) -> None:
-        """Close the channel (a later call reopens it)."""
+        """Close the channel and the express lane (a later call reopens them)."""
         with self._lock:
             channel, self._channel, self._stub = self._channel, None, None
             owned = self._pid == os.getpid()
+            lane, self._express = self._express, None
         if channel is not None and owned:
             channel.close()
+        if lane is not None and self._express_pid == os.getpid():
+            lane.close()
+
+    def _offer_express(self, port: int) -> None:
+        """The catalog offers its express lane on ``port`` (of the host this client dials)."""
+        if not self.express or not port:
+            return
+        failed = self._express_failed
+        if failed is not None and failed[0] == port and time.monotonic() - failed[1] < _EXPRESS_RETRY_AFTER_S:
+            return
+        with self._lock:
+            if self._express is not None and self._express_pid == os.getpid():
+                return
+            host = self.address.rpartition(":")[0].strip("[]")
+            self._express, self._express_pid = ExpressClient(host, port, self._token), os.getpid()
+
+    def _call_express(self, method: str, request: Any, timeout_s: float) -> Any:
+        """``method`` over the express lane; None when the call must go over gRPC instead."""
+        lane = self._express
+        if lane is None or self._express_pid != os.getpid():  # none, or inherited across fork()
+            return None
+        try:
+            reply = lane.call(method, request, timeout_s)
+        except ExpressStatus as status:
+            if status.code in RETRYABLE:
+                return None  # gRPC retries with backoff
+            raise error_for(status.code, status.details, method) from None
+        except LaneDown as exc:
+            log.info("catalog %s: express lane failed (%s); calls go over gRPC", self.address, exc)
+            with self._lock:
+                if self._express is lane:
+                    self._express = None
+                    self._express_failed = (lane.port, time.monotonic())
+            return None
+        self.express_calls += 1
+        return reply
 
     def __enter__(self) -> CatalogClient:
         return self
@@ -210,6 +261,10 @@ class CatalogClient:
         the catalog treats a repeated release or registration as a no-op). ``wait_for_ready``:
         wait, within the call's deadline, for a connection the channel is re-establishing
         instead of failing at once while it backs off between reconnects."""
+        if method in EXPRESS_METHODS and self._express is not None:
+            reply = self._call_express(method, request, timeout_s if timeout_s is not None else self.timeout_s)
+            if reply is not None:
+                return reply
         attempts = self.retries + 1
         last: grpc.RpcError | None = None
         for attempt in range(attempts):
@@ -398,6 +453,7 @@ class CatalogClient:
                     self._lease_version_unsupported = True
                     raise
                 leased.append(reply.lease_id)
+                self._offer_express(reply.express_port)
                 return self._version_from_reply(reply.version_info, known)
 
             try:

@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from mx_refit.catalog.api import DEFAULT_MAX_MESSAGE_BYTES
+from mx_refit.catalog.express import ExpressServer
 from mx_refit.catalog.service import CatalogService
 from mx_refit.catalog.servicer import CatalogServicer
 from mx_refit.catalog.v1 import catalog_pb2_grpc
@@ -129,6 +130,9 @@ class CatalogServer:
     :param reap_interval_s: how often the reaper thread expires lapsed sources and leases.
     :param max_workers: server threads; WaitDrained calls each hold one for up to 30 s, so keep
         it well above the number of publishing ranks.
+    :param express: also serve the express lane (:mod:`mx_refit.catalog.express`: a steady
+        refit's catalog calls over one TCP connection, on an ephemeral port of ``host``, offered
+        to readers in ``LeaseVersion`` replies; a reader that cannot reach it uses gRPC).
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class CatalogServer:
         reap_interval_s: float = 1.0,
         max_workers: int = 256,
         advertise_host: str | None = None,
+        express: bool = True,
     ) -> None:
         if reap_interval_s <= 0:
             raise InvalidArgument(f"reap_interval_s: {reap_interval_s} must be > 0")
@@ -158,6 +163,8 @@ class CatalogServer:
         self._reaper: threading.Thread | None = None
         self._lock = threading.Lock()
         self._health: Any = None
+        self._express_enabled = express
+        self._express: ExpressServer | None = None
 
     @property
     def address(self) -> str:
@@ -167,6 +174,11 @@ class CatalogServer:
     @property
     def port(self) -> int:
         return self._port
+
+    @property
+    def express(self) -> ExpressServer | None:
+        """The express lane while serving (``express=True``), else None."""
+        return self._express
 
     def start(self) -> CatalogServer:
         """Bind, start serving and start the reaper; returns ``self``.
@@ -195,8 +207,9 @@ class CatalogServer:
                 options=options,
             )
             self._stopping.clear()
+            servicer = CatalogServicer(self.service, stopping=self._stopping)
             catalog_pb2_grpc.add_CatalogServiceServicer_to_server(  # type: ignore[no-untyped-call]
-                CatalogServicer(self.service, stopping=self._stopping), server
+                servicer, server
             )
             self._health = _add_health_service(server)
             wanted = format_address(self.host or "0.0.0.0", self._port)
@@ -208,6 +221,9 @@ class CatalogServer:
             if port == 0:  # older grpc reports bind failures this way
                 raise OSError(f"cannot bind the catalog server to {wanted} (is the port already in use?)")
             self._port = port
+            if self._express_enabled:
+                self._express = ExpressServer(servicer, self.host, self._token)
+                servicer.express_port = self._express.start()
             server.start()
             self._server = server
             self._reaper = threading.Thread(
@@ -230,6 +246,9 @@ class CatalogServer:
         if self._health is not None:
             self._health.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight calls finish
         self._stopping.set()
+        if self._express is not None:
+            self._express.stop()
+            self._express = None
         server.stop(grace).wait()
         if reaper is not None:
             reaper.join()

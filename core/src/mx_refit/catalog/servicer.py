@@ -70,6 +70,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
         stopping: threading.Event | None = None,
     ) -> None:
         self.service = service
+        self.express_port = 0  # set by the server once its express lane listens
         self._max_wait_slice_s = max_wait_slice_s
         self._stopping = stopping if stopping is not None else threading.Event()
 
@@ -183,7 +184,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             request.ttl_s,
             request.lease_id or None,
         )
-        reply = pb.LeaseVersionReply(lease_id=lease_id)
+        reply = pb.LeaseVersionReply(lease_id=lease_id, express_port=self.express_port)
         convert.manifest_to_proto(
             manifest, find.known_layout_digests, find.known_sidecar_digest, reply.version_info
         )

@@ -378,12 +378,14 @@ class LeaseVersionRequest(_message.Message):
     def __init__(self, find: _Optional[_Union[GetVersionRequest, _Mapping]] = ..., reader_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class LeaseVersionReply(_message.Message):
-    __slots__ = ("version_info", "lease_id")
+    __slots__ = ("version_info", "lease_id", "express_port")
     VERSION_INFO_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPRESS_PORT_FIELD_NUMBER: _ClassVar[int]
     version_info: VersionInfo
     lease_id: str
-    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    express_port: int
+    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ..., lease_id: _Optional[str] = ..., express_port: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "completed")

@@ -1,0 +1,100 @@
+"""The express lane (``mx_refit.catalog.express``): LeaseVersion and ReleaseLease over one TCP
+connection, with the same answers, errors and token as gRPC, and gRPC whenever the lane fails.
+Real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+from catalog_factories import publish_ready
+
+from mx_refit.catalog import CatalogService
+from mx_refit.catalog.client import CatalogClient
+from mx_refit.catalog.server import CatalogServer
+from mx_refit.errors import InvalidArgument, NotFound, Unauthenticated
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _served() -> CatalogServer:
+    service = CatalogService()
+    publish_ready(service, "m", 1)
+    return CatalogServer(service=service, token="s3cret").start()
+
+
+def test_after_the_first_lease_both_hot_calls_take_the_lane_with_grpcs_answers_and_errors() -> None:
+    with _served() as srv, CatalogClient(srv.address, token="s3cret") as client:
+        assert srv.express is not None
+        first = client.lease_version("m", "r")  # over gRPC: the reply offers the lane
+        assert client.express_calls == 0
+        client.release_lease(first.lease_id)
+        again = client.lease_version("m", "r")
+        assert again.info.version == 1 and again.info == first.info  # the same manifest
+        client.release_lease(again.lease_id, completed=True)
+        assert client.express_calls == 3 == srv.express.calls  # all but the first call
+        # Errors come back as the same domain errors, naming the same fields.
+        with pytest.raises(NotFound, match="lease_id: unknown or expired lease 'nope'"):
+            client.release_lease("nope")
+        with pytest.raises(InvalidArgument, match="reader_id"):
+            client.lease_version("m", "")
+        with pytest.raises(NotFound):
+            client.lease_version("m", "r", version=7)
+        assert srv.express.calls == 6  # each went over the lane
+        assert client.list_versions("m")[0].completed_reads == 1  # other calls: gRPC
+
+
+def test_a_lane_that_fails_hands_the_call_to_grpc_and_is_not_dialled_again() -> None:
+    with _served() as srv, CatalogClient(srv.address, token="s3cret") as client:
+        client.release_lease(client.lease_version("m", "r").lease_id)
+        assert srv.express is not None
+        lane = srv.express
+        lane.stop()  # the lane goes away; gRPC stays
+        leased = client.lease_version("m", "r")  # the lane fails mid-call: gRPC answers
+        client.release_lease(leased.lease_id)
+        assert leased.info.version == 1
+        calls = client.express_calls
+        client.release_lease(client.lease_version("m", "r").lease_id)
+        assert client.express_calls == calls  # the failed port is not tried again at once
+
+
+def test_the_lane_wants_the_token_and_drops_garbage() -> None:
+    with _served() as srv:
+        assert srv.express is not None
+        port = srv.express.port
+        # A wrong token: the lane refuses it, the client falls back, and gRPC refuses it too.
+        with CatalogClient(srv.address, token="wrong") as client:
+            client._offer_express(port)
+            with pytest.raises(Unauthenticated):
+                client.lease_version("m", "r")
+        # A raw connection with the wrong token is told so and closed.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(struct.pack(">BI", 0, 5) + b"wrong")
+            status, size = struct.unpack(">BI", raw.recv(5))
+            assert status == 16 and b"token" in raw.recv(size)  # UNAUTHENTICATED
+            assert raw.recv(1) == b""
+        # The right token, then an unknown method and an oversized frame: dropped.
+        for frame in (struct.pack(">BI", 9, 0), struct.pack(">BI", 1, 1 << 30)):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                raw.sendall(struct.pack(">BI", 0, 6) + b"s3cret" + frame)
+                assert raw.recv(1) == b""
+        # ...and the lane still serves everyone else.
+        with CatalogClient(srv.address, token="s3cret") as client:
+            client.release_lease(client.lease_version("m", "r").lease_id)
+            client.release_lease(client.lease_version("m", "r").lease_id)
+            assert client.express_calls == 3
+
+
+def test_the_lane_is_optional_on_both_ends() -> None:
+    service = CatalogService()
+    publish_ready(service, "m", 1)
+    with CatalogServer(service=service, express=False).start() as srv, CatalogClient(srv.address) as client:
+        assert srv.express is None
+        for _ in range(2):
+            client.release_lease(client.lease_version("m", "r").lease_id)
+        assert client.express_calls == 0
+    with _served() as srv, CatalogClient(srv.address, token="s3cret", express=False) as client:
+        for _ in range(2):
+            client.release_lease(client.lease_version("m", "r").lease_id)
+        assert client.express_calls == 0 and srv.express is not None and srv.express.calls == 0
