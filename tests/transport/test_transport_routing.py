@@ -231,3 +231,53 @@ def test_config_names_a_bad_transport() -> None:
     assert validate(WeightSyncConfig()).transport == "auto"
     with pytest.raises(InvalidArgument, match=r"weight_sync.transport: 'grpc'"):
         validate(WeightSyncConfig(transport="grpc"))
+
+
+def test_a_steady_program_serves_only_the_same_lists_exports_and_arena() -> None:
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from mx_refit.transport.cuda_ipc import _Program
+
+    class Arena:
+        def __init__(self, ptr: int) -> None:
+            self.ptr = ptr
+
+        def data_ptr(self) -> int:
+            return self.ptr
+
+    ranges = [(0x1000, 0, 4096)]
+    source = SimpleNamespace(cuda_ipc=export())
+    program = _Program({"s": ranges}, {"s": export()}, 0x9000, None, [[(1, 2, 4096)]], {"s": 4096})  # type: ignore[arg-type]
+    assert program.serves({"s": source}, {"s": ranges}, Arena(0x9000))  # an equal export (decoded anew)
+    assert not program.serves({"s": source}, {"s": list(ranges)}, Arena(0x9000))  # a new plan's list
+    assert not program.serves({"s": source}, {"s": ranges}, Arena(0xA000))  # a new arena
+    moved = SimpleNamespace(cuda_ipc=export(IpcRegion(0x1000, 4096, b"n" * 64, 0)))  # reallocated
+    assert not program.serves({"s": moved}, {"s": ranges}, Arena(0x9000))
+    restarted = SimpleNamespace(cuda_ipc=replace(export(), pid=778))
+    assert not program.serves({"s": restarted}, {"s": ranges}, Arena(0x9000))
+    assert not program.serves({"s": source, "t": source}, {"s": ranges, "t": ranges}, Arena(0x9000))
+
+
+def test_a_path_choice_is_remembered_until_the_export_changes(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from mx_refit.transport.routing import RoutingTransport
+
+    transport = RoutingTransport.__new__(RoutingTransport)  # no NIXL agent or GPU needed here
+    transport.mode, transport._node, transport._choices, transport._chosen_for = "auto", NODE, {}, {}
+    calls = []
+
+    def identity(arena):
+        calls.append(arena)
+        return GPU0, ()
+
+    monkeypatch.setattr(transport, "_device_identity", identity)
+    arena = SimpleNamespace(device="cuda:0")
+    first = SimpleNamespace(source_id="s", cuda_ipc=export())
+    assert transport.choose(first, arena).path == CUDA_IPC
+    again = SimpleNamespace(source_id="s", cuda_ipc=export())  # next cycle: an equal export
+    assert transport.choose(again, arena).path == CUDA_IPC and len(calls) == 1
+    elsewhere = SimpleNamespace(source_id="s", cuda_ipc=export(boot="boot-b"))  # the source moved
+    assert transport.choose(elsewhere, arena).path == NIXL and len(calls) == 2
+    assert transport.choose(elsewhere, SimpleNamespace(device="cuda:1")).path == NIXL and len(calls) == 3
