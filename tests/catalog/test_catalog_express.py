@@ -65,7 +65,7 @@ def test_the_lane_wants_the_token_and_drops_garbage() -> None:
         port = srv.express.port
         # A wrong token: the lane refuses it, the client falls back, and gRPC refuses it too.
         with CatalogClient(srv.address, token="wrong") as client:
-            client._offer_express(port)
+            client._lane.offer(port)
             with pytest.raises(Unauthenticated):
                 client.lease_version("m", "r")
         # A raw connection with the wrong token is told so and closed.
@@ -98,3 +98,40 @@ def test_the_lane_is_optional_on_both_ends() -> None:
         for _ in range(2):
             client.release_lease(client.lease_version("m", "r").lease_id)
         assert client.express_calls == 0 and srv.express is not None and srv.express.calls == 0
+
+
+def test_work_given_to_the_lease_call_runs_once_on_every_path() -> None:
+    with _served() as srv, CatalogClient(srv.address, token="s3cret") as client:
+        runs: list[int] = []
+        # gRPC (the lane is not offered yet): before the call.
+        client.release_lease(client.lease_version("m", "r", while_waiting=lambda: runs.append(1)).lease_id)
+        # the lane: after sending, before reading the reply
+        client.release_lease(client.lease_version("m", "r", while_waiting=lambda: runs.append(2)).lease_id)
+        assert client.express_calls == 3
+        # the lane fails after the request went out: the call moves to gRPC, the work does not rerun
+        assert srv.express is not None
+        srv.express.stop()
+        client.release_lease(client.lease_version("m", "r", while_waiting=lambda: runs.append(3)).lease_id)
+        assert runs == [1, 2, 3]
+    with _served() as srv, CatalogClient(srv.address, token="s3cret") as client:
+        client.release_lease(client.lease_version("m", "r").lease_id)
+
+        def fail() -> None:
+            raise RuntimeError("work failed")
+
+        with pytest.raises(RuntimeError, match="work failed"):  # its error is the caller's
+            client.lease_version("m", "r", while_waiting=fail)
+        client.release_lease(client.lease_version("m", "r").lease_id)  # the lane reconnects
+
+
+def test_a_receiver_readies_its_read_while_the_catalog_answers_only_where_it_can() -> None:
+    from mx_refit.receiver import Receiver
+
+    service = CatalogService()
+    publish_ready(service, "m", 1)
+    with CatalogServer(service=service).start() as srv:
+        with Receiver(srv.address, "m") as over_grpc:
+            assert over_grpc._overlaps_lease  # a CatalogClient takes the work
+            over_grpc._prime()  # no arena yet: nothing to ready, nothing raised
+    with Receiver(service, "m") as in_process:
+        assert not in_process._overlaps_lease  # the in-process service just answers

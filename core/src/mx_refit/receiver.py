@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -149,6 +150,9 @@ class Receiver:
         self._lease_in_discovery = (
             isinstance(self.client, LeasingCatalog) and fanout == "none" and not max_readers_per_source
         )
+        # A client that can run work while its lease call is answered (CatalogClient) readies the
+        # next read's copy stream meanwhile; other catalogs (in-process, adapters) just answer.
+        self._overlaps_lease = _accepts(getattr(self.client, "lease_version", None), "while_waiting")
 
     @classmethod
     def from_config(
@@ -221,13 +225,24 @@ class Receiver:
         while True:
             acquired_at = time.monotonic()  # the lease's clock starts when the call is sent
             try:
+                overlap = {"while_waiting": self._prime} if self._overlaps_lease else {}
                 leased = self.client.lease_version(  # type: ignore[attr-defined]  # a LeasingCatalog
-                    self.model, self.reader_id, version, min_version, self.lease_ttl_s
+                    self.model, self.reader_id, version, min_version, self.lease_ttl_s, **overlap
                 )
                 return leased.info, leased.lease_id, acquired_at
             except (NotFound, FailedPrecondition):
                 if not wait.sleep():
                     raise
+
+    def _prime(self) -> None:
+        """Ready the transport's next read into the arena (run while the catalog answers)."""
+        prime = getattr(self.transport, "prime", None)
+        if prime is None or self._arena is None:
+            return
+        try:
+            prime(self._arena)
+        except Exception as exc:  # an optimisation only: the read does the setup itself
+            log.debug("receiver %s: priming the read failed: %s", self.reader_id, exc)
 
     def _guard(self, info: VersionInfo, lease_id: str, acquired_at: float) -> LeaseGuard:
         return LeaseGuard(
@@ -535,6 +550,16 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _accepts(method: Any, keyword: str) -> bool:
+    """Whether ``method`` takes ``keyword`` (False for no method, or one that cannot say)."""
+    if method is None:
+        return False
+    try:
+        return keyword in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _region_edges(source: SourceInfo) -> list[int]:

@@ -13,7 +13,6 @@ sends an unchanged layout or sidecar only once; results equal a full fetch.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import random
@@ -42,7 +41,7 @@ from mx_refit.catalog.digests import (
     ManifestStats,
     UnknownDigest,
 )
-from mx_refit.catalog.express import EXPRESS_METHODS, ExpressClient, ExpressStatus, LaneDown
+from mx_refit.catalog.express import EXPRESS_METHODS, ExpressRoute, ExpressStatus, Once
 from mx_refit.catalog.status import RETRYABLE, error_for
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
@@ -51,9 +50,6 @@ from mx_refit.errors import InvalidArgument, MxRefitError, Unavailable
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
 __all__ = ["CatalogClient"]
-
-log = logging.getLogger(__name__)
-_EXPRESS_RETRY_AFTER_S = 60.0  # a lane that failed is not dialled again for this long
 
 
 def _request(cls: type[Message], **fields: Any) -> Any:
@@ -142,10 +138,7 @@ class CatalogClient:
         self._lease_version_unsupported = False  # the catalog answered UNIMPLEMENTED once
         # The catalog's express lane (mx_refit.catalog.express), once it offered one.
         self.express = bool(express)
-        self._express: ExpressClient | None = None
-        self._express_pid = -1
-        self._express_failed: tuple[int, float] | None = None  # (port, when) of the last failure
-        self.express_calls = 0
+        self._lane = ExpressRoute(address, self._token, enabled=self.express)
 
     # --- pickling: configuration only ---------------------------------------------------
 
@@ -203,45 +196,14 @@ class CatalogClient:
         with self._lock:
             channel, self._channel, self._stub = self._channel, None, None
             owned = self._pid == os.getpid()
-            lane, self._express = self._express, None
         if channel is not None and owned:
             channel.close()
-        if lane is not None and self._express_pid == os.getpid():
-            lane.close()
+        self._lane.close()
 
-    def _offer_express(self, port: int) -> None:
-        """The catalog offers its express lane on ``port`` (of the host this client dials)."""
-        if not self.express or not port:
-            return
-        failed = self._express_failed
-        if failed is not None and failed[0] == port and time.monotonic() - failed[1] < _EXPRESS_RETRY_AFTER_S:
-            return
-        with self._lock:
-            if self._express is not None and self._express_pid == os.getpid():
-                return
-            host = self.address.rpartition(":")[0].strip("[]")
-            self._express, self._express_pid = ExpressClient(host, port, self._token), os.getpid()
-
-    def _call_express(self, method: str, request: Any, timeout_s: float) -> Any:
-        """``method`` over the express lane; None when the call must go over gRPC instead."""
-        lane = self._express
-        if lane is None or self._express_pid != os.getpid():  # none, or inherited across fork()
-            return None
-        try:
-            reply = lane.call(method, request, timeout_s)
-        except ExpressStatus as status:
-            if status.code in RETRYABLE:
-                return None  # gRPC retries with backoff
-            raise error_for(status.code, status.details, method) from None
-        except LaneDown as exc:
-            log.info("catalog %s: express lane failed (%s); calls go over gRPC", self.address, exc)
-            with self._lock:
-                if self._express is lane:
-                    self._express = None
-                    self._express_failed = (lane.port, time.monotonic())
-            return None
-        self.express_calls += 1
-        return reply
+    @property
+    def express_calls(self) -> int:
+        """Calls the express lane answered (with a reply or a domain error)."""
+        return self._lane.calls
 
     def __enter__(self) -> CatalogClient:
         return self
@@ -255,16 +217,24 @@ class CatalogClient:
         self.close()
 
     def _call(
-        self, method: str, request: Any, *, timeout_s: float | None = None, wait_for_ready: bool = False
+        self, method: str, request: Any, *, timeout_s: float | None = None, wait_for_ready: bool = False,
+        while_waiting: Callable[[], None] | None = None,
     ) -> Any:
         """One unary call with bounded retries on transient failures (every RPC is idempotent:
         the catalog treats a repeated release or registration as a no-op). ``wait_for_ready``:
         wait, within the call's deadline, for a connection the channel is re-establishing
         instead of failing at once while it backs off between reconnects."""
-        if method in EXPRESS_METHODS and self._express is not None:
-            reply = self._call_express(method, request, timeout_s if timeout_s is not None else self.timeout_s)
+        if method in EXPRESS_METHODS and self._lane.ready():
+            once = Once(while_waiting) if while_waiting is not None else None
+            try:
+                reply = self._lane.call(method, request, timeout_s if timeout_s is not None else self.timeout_s, once)
+            except ExpressStatus as status:
+                raise error_for(status.code, status.details, method) from None
             if reply is not None:
                 return reply
+            while_waiting = once
+        if while_waiting is not None:
+            while_waiting()  # gRPC offers no point between sending and waiting: before the call
         attempts = self.retries + 1
         last: grpc.RpcError | None = None
         for attempt in range(attempts):
@@ -425,14 +395,18 @@ class CatalogClient:
         min_version: int = 0,
         ttl_s: float = DEFAULT_TTL_S,
         lease_id: str | None = None,
+        *,
+        while_waiting: Callable[[], None] | None = None,
     ) -> LeasedVersion:
         """See :meth:`CatalogService.lease_version`: one round trip where
         :meth:`get_version` then :meth:`acquire_lease` take two. The manifest is answered by
         digest as in :meth:`get_version`; the lease id is picked up front (unless given), so a
-        retried call never leaves an orphan lease.
+        retried call never leaves an orphan lease. ``while_waiting`` runs once, while the reply
+        is on its way when the express lane carries the call (else before the call).
 
         A catalog too old to know the call is asked in two steps instead (and not again)."""
         chosen = uuid.uuid4().hex if lease_id is None else check_name(lease_id, "lease_id")
+        once = Once(while_waiting) if while_waiting is not None else None
         if not self._lease_version_unsupported:
             leased: list[str] = []
 
@@ -448,12 +422,12 @@ class CatalogClient:
                     # A refit starts here: after a cut link or a catalog restart the channel may
                     # still be backing off between reconnects (up to 1 s), longer than the
                     # retries last; wait for it within the deadline rather than fail the refit.
-                    reply = self._call("LeaseVersion", request, wait_for_ready=True)
+                    reply = self._call("LeaseVersion", request, wait_for_ready=True, while_waiting=once)
                 except _Unimplemented:
                     self._lease_version_unsupported = True
                     raise
                 leased.append(reply.lease_id)
-                self._offer_express(reply.express_port)
+                self._lane.offer(reply.express_port)
                 return self._version_from_reply(reply.version_info, known)
 
             try:
@@ -462,6 +436,8 @@ class CatalogClient:
                 pass
             else:
                 return LeasedVersion(info, leased[-1])
+        if once is not None:
+            once()
         info = self.get_version(model, version, min_version)
         return LeasedVersion(info, self.acquire_lease(model, info.version, reader_id, ttl_s, chosen))
 

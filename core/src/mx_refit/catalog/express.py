@@ -24,16 +24,20 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from mx_refit.catalog.status import RETRYABLE
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 
-__all__ = ["EXPRESS_METHODS", "ExpressClient", "ExpressServer", "ExpressStatus", "LaneDown"]
+__all__ = ["EXPRESS_METHODS", "ExpressClient", "ExpressRoute", "ExpressServer", "ExpressStatus", "LaneDown", "Once"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_REQUEST_BYTES = 1 << 20  # requests are a few hundred bytes; anything bigger is not ours
 MAX_CONNECTIONS = 512
 _CONNECT_TIMEOUT_S = 1.0
+_RETRY_AFTER_S = 60.0  # a lane that failed is not dialled again for this long
 
 
 class LaneDown(Exception):
@@ -189,9 +194,12 @@ class ExpressClient:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
-    def call(self, method: str, request: Any, timeout_s: float) -> Any:
+    def call(self, method: str, request: Any, timeout_s: float,
+             while_waiting: Callable[[], None] | None = None) -> Any:
         """The reply to ``request``; a non-OK status raises :class:`ExpressStatus`; a failure of
-        the lane itself raises :class:`LaneDown` (and closes the connection)."""
+        the lane itself raises :class:`LaneDown` (and closes the connection). ``while_waiting``
+        runs once the request is sent, before the reply is read (work hidden under the round
+        trip); what it raises propagates."""
         code, _, reply_type = EXPRESS_METHODS[method]
         payload = request.SerializeToString()
         with self._lock:
@@ -199,6 +207,16 @@ class ExpressClient:
                 sock = self._connect(timeout_s)
                 sock.settimeout(timeout_s)
                 _send(sock, code, payload)
+            except (OSError, ConnectionError) as exc:
+                self._close_locked()
+                raise LaneDown(f"{type(exc).__name__}: {exc}") from None
+            if while_waiting is not None:
+                try:
+                    while_waiting()
+                except BaseException:
+                    self._close_locked()  # the reply is still owed: this connection is out of step
+                    raise
+            try:
                 status, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
                 body = _recv_exact(sock, size)
             except (OSError, ConnectionError) as exc:
@@ -237,3 +255,73 @@ class ExpressClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class Once:
+    """``fn`` run at most once however often called (a call may move from the lane to gRPC)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class ExpressRoute:
+    """A catalog client's use of the lane: dialled once offered, dropped (and that port left
+    alone for a minute) when it fails, never used across ``fork()``."""
+
+    def __init__(self, address: str, token: str | None, *, enabled: bool) -> None:
+        self._host = address.rpartition(":")[0].strip("[]")
+        self._token = token
+        self._enabled = enabled
+        self._lock = threading.Lock()
+        self._client: ExpressClient | None = None
+        self._pid = -1
+        self._failed: tuple[int, float] | None = None  # (port, when) of the last failure
+        self.calls = 0
+
+    def ready(self) -> bool:
+        return self._client is not None and self._pid == os.getpid()
+
+    def offer(self, port: int) -> None:
+        """The catalog offers its lane on ``port`` of the host the client dials."""
+        if not self._enabled or not port:
+            return
+        failed = self._failed
+        if failed is not None and failed[0] == port and time.monotonic() - failed[1] < _RETRY_AFTER_S:
+            return
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                self._client, self._pid = ExpressClient(self._host, port, self._token), os.getpid()
+
+    def call(self, method: str, request: Any, timeout_s: float, while_waiting: Callable[[], None] | None) -> Any:
+        """The reply, or None when the call must go over gRPC (no lane, the lane failed, or a
+        status gRPC retries); other statuses raise :class:`ExpressStatus`."""
+        lane = self._client
+        if lane is None or self._pid != os.getpid():  # none, or inherited across fork()
+            return None
+        try:
+            reply = lane.call(method, request, timeout_s, while_waiting)
+        except ExpressStatus as status:
+            self.calls += 1
+            if status.code in RETRYABLE:
+                return None  # gRPC retries with backoff
+            raise
+        except LaneDown as exc:
+            log.info("catalog %s: express lane failed (%s); calls go over gRPC", self._host, exc)
+            with self._lock:
+                if self._client is lane:
+                    self._client = None
+                    self._failed = (lane.port, time.monotonic())
+            return None
+        self.calls += 1
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            lane, self._client = self._client, None
+        if lane is not None and self._pid == os.getpid():
+            lane.close()

@@ -323,6 +323,8 @@ class CudaIpcTransport:
         # The last read, whole: a steady cycle (same request lists, same exports, same arena)
         # goes straight to the copies (see _steady_program).
         self._program: _Program | None = None
+        # (thread, arena address) of a prime() whose stream setup the next read still owes
+        self._primed: tuple[int, int] | None = None
         self._closed = False
 
     @property
@@ -368,6 +370,25 @@ class CudaIpcTransport:
                 self._exports.pop(tuple(key), None)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- reader side
+    def prime(self, arena: "torch.Tensor") -> None:
+        """Do a steady read's stream setup now, while the refit waits for the catalog: bind the
+        context, order the copy stream after the arena's users (their work queued so far) and
+        mark the start. The next read on this thread into ``arena`` skips it. A no-op until a
+        read into ``arena`` made a steady program; harmless if no read follows."""
+        import torch
+
+        with self._lock:
+            program = self._program
+            if self._closed or program is None or program.arena_ptr != arena.data_ptr():
+                return
+            dev = arena.device.index if arena.device.index is not None else torch.cuda.current_device()
+            lanes = program.lanes
+            _cuda().bind(dev)
+            lanes.ready.record(torch.cuda.current_stream(dev))
+            lanes.streams[0].wait_event(lanes.ready)
+            lanes.begin.record(lanes.streams[0])
+            self._primed = (threading.get_ident(), program.arena_ptr)
+
     def read(
         self,
         sources: "Mapping[str, SourceInfo]",
@@ -401,7 +422,7 @@ class CudaIpcTransport:
         import torch
 
         t0 = time.perf_counter()
-        driver.bind(dev)
+        primed, self._primed = self._primed, None
         if self._cache is None:
             self._cache = HandleCache(driver.open, driver.close)
         opened_before = self._cache.opened
@@ -410,15 +431,21 @@ class CudaIpcTransport:
             for source_id in requests:
                 self._check_alive(source_id, program.exports[source_id])
             lanes, groups, nbytes = program.lanes, program.groups, program.nbytes
+            primed_here, bound = primed == (threading.get_ident(), program.arena_ptr), False
         else:
+            primed_here, bound = False, True
+            driver.bind(dev)  # opening handles needs the context
             lanes, groups, nbytes = self._prepare(sources, requests, arena, dev)
-        # Copies wait for whatever the arena's users queued before this refit.
-        lanes.ready.record(torch.cuda.current_stream(dev))
         copies = sum(len(g) for g in groups)
         memcpy = driver.memcpy_async
         t1 = time.perf_counter()
-        lanes.streams[0].wait_event(lanes.ready)
-        lanes.begin.record(lanes.streams[0])
+        if not primed_here:  # else prime() did this while the catalog answered
+            if not bound:
+                driver.bind(dev)
+            # Copies wait for whatever the arena's users queued before this refit.
+            lanes.ready.record(torch.cuda.current_stream(dev))
+            lanes.streams[0].wait_event(lanes.ready)
+            lanes.begin.record(lanes.streams[0])
         for i, group in enumerate(groups):
             if i:
                 lanes.streams[i].wait_event(lanes.begin)
@@ -551,5 +578,5 @@ class CudaIpcTransport:
                 log.debug("closed CUDA IPC handles in %.3f s", time.monotonic() - started)
             self._lanes.clear()
             self._spread_cache = None
-            self._program = None
+            self._program = self._primed = None
             self._exports.clear()

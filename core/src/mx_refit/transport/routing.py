@@ -129,6 +129,13 @@ class RoutingTransport:
                 self._ipc = CudaIpcTransport()
             return self._ipc
 
+    def prime(self, arena: "torch.Tensor") -> None:
+        """Ready the next read into ``arena`` while the refit waits for the catalog
+        (:meth:`CudaIpcTransport.prime`; nothing to do for NIXL)."""
+        ipc = self._ipc
+        if ipc is not None and arena.device.type == "cuda":
+            ipc.prime(arena)
+
     # ------------------------------------------------------------------ registration
     def register(self, tensor: "torch.Tensor") -> bool:
         return self.register_many([tensor]) > 0
