@@ -104,6 +104,7 @@ def test_serve_json_line_health_service_and_token_from_the_environment():
     try:
         assert info["port"] > 0 and info["address"] == f"127.0.0.1:{info['port']}"
         assert info["token"] is True and info["health"] == "grpc.health.v1.Health" and info["metrics"] is None
+        assert info["express_port"] > 0 and info["express_port"] != info["port"]
         with grpc.insecure_channel(info["address"]) as channel:  # probes carry no token
             stub = health_pb2_grpc.HealthStub(channel)
             for service in ("", "mx_refit.catalog.v1.CatalogService"):
@@ -132,8 +133,9 @@ def test_serve_stops_cleanly_when_terminated_right_after_its_json_line():
 def test_serve_token_file(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
-    proc, info = _start_serve("--token-file", str(token_file))
+    proc, info = _start_serve("--token-file", str(token_file), "--no-express")
     try:
+        assert info["express_port"] == 0
         with CatalogClient(info["address"], token="from-file", timeout_s=5, retries=0) as client:
             assert client.list_versions("nothing-here") == []
     finally:

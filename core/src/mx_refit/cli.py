@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", default="memory", metavar="URL",
                        help="where the catalog keeps its state: memory (default) or redis://HOST:PORT/DB "
                             "(kept across restarts, shared by several serve processes; needs `mx-refit[redis]`)")
+    serve.add_argument("--no-express", dest="express", action="store_false",
+                       help="serve no express lane (readers then make their lease calls over gRPC)")
     serve.add_argument("--json", action="store_true", help="print where it listens as one JSON line")
 
     # verify's arguments are a stable public contract kept next to it (imports nothing heavy)
@@ -184,11 +186,12 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             metrics = f"; metrics on {info['metrics']}" if info["metrics"] else ""
             auth = "bearer token required" if info["token"] else "no token"
+            lane = f"express lane on port {info['express_port']}" if info["express_port"] else "no express lane"
             print(f"mx-refit catalog listening on {info['address']} ({auth}; gRPC health service on; "
-                  f"store {info['store']}){metrics}", flush=True)
+                  f"{lane}; store {info['store']}){metrics}", flush=True)
 
     serve_forever(args.host, args.port, token=token, metrics_port=args.metrics_port, on_listening=announce,
-                  store=args.store)
+                  store=args.store, express=args.express)
     return EXIT_OK
 
 

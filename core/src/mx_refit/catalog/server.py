@@ -364,6 +364,7 @@ def serve_forever(
     metrics_port: int | None = None,
     on_listening: Callable[[dict[str, Any]], None] | None = None,
     store: str = "memory",
+    express: bool = True,
 ) -> None:
     """Run a catalog server until SIGINT/SIGTERM (or ``stop_event``), then stop cleanly.
 
@@ -374,7 +375,8 @@ def serve_forever(
 
     ``store``: where the catalog keeps its state, ``memory`` (lost when the process ends) or
     ``redis://HOST:PORT/DB`` (shared by every catalog process on it, kept across restarts; the
-    Redis server must be reachable at start). ``on_listening`` also gets ``"store"``.
+    Redis server must be reachable at start). ``on_listening`` also gets ``"store"`` and
+    ``"express_port"`` (the express lane's port; 0 with ``express=False``).
     """
     if not 0 <= port <= 65535:
         raise InvalidArgument(f"port: {port} is out of range (0-65535; 0 picks a free port)")
@@ -396,7 +398,7 @@ def serve_forever(
         if ping is not None:
             ping()  # an unreachable store is a clean error before anything binds
         server = CatalogServer(host, port, token, max_message_bytes,
-                               service=CatalogService(store=state_store)).start()
+                               service=CatalogService(store=state_store), express=express).start()
     except BaseException:
         _restore_signals(previous)
         state_store.close()
@@ -421,7 +423,8 @@ def serve_forever(
     try:
         if on_listening is not None:
             on_listening({"address": server.address, "host": host, "port": server.port, "token": token is not None,
-                          "health": "grpc.health.v1.Health", "metrics": metrics_url, "store": state_store.url})
+                          "health": "grpc.health.v1.Health", "metrics": metrics_url, "store": state_store.url,
+                          "express_port": server.express.port if server.express else 0})
         stop.wait()
     finally:
         _restore_signals(previous)
