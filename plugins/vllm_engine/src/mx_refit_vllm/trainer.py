@@ -212,6 +212,8 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             source_id=f"{init_info.model}/trainer-rank{init_info.rank}",
             ttl_s=init_info.source_ttl_s,
             drain_timeout_s=init_info.drain_timeout_s,
+            # Covers the workers' leases, so they load without waiting for their release's answer.
+            lease_fence_s=init_info.worker_init_info().lease_ttl_s,
         )
         engine = cls(client=client, source=source, info=init_info, publisher=publisher)
         if engine.is_sender:
