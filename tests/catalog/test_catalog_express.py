@@ -135,3 +135,13 @@ def test_a_receiver_readies_its_read_while_the_catalog_answers_only_where_it_can
             over_grpc._prime()  # no arena yet: nothing to ready, nothing raised
     with Receiver(service, "m") as in_process:
         assert not in_process._overlaps_lease  # the in-process service just answers
+
+
+def test_a_connection_that_never_sends_its_token_is_dropped(monkeypatch) -> None:
+    from mx_refit.catalog import express
+
+    monkeypatch.setattr(express, "_AUTH_TIMEOUT_S", 0.2)
+    with _served() as srv:
+        assert srv.express is not None
+        with socket.create_connection(("127.0.0.1", srv.express.port), timeout=5) as raw:
+            assert raw.recv(1) == b""  # closed by the lane, not by this test's 5 s timeout

@@ -54,6 +54,7 @@ MAX_REQUEST_BYTES = 1 << 20  # requests are a few hundred bytes; anything bigger
 MAX_CONNECTIONS = 512
 _CONNECT_TIMEOUT_S = 1.0
 _RETRY_AFTER_S = 60.0  # a lane that failed is not dialled again for this long
+_AUTH_TIMEOUT_S = 10.0  # a connection that sends no token in this time is dropped
 
 
 class LaneDown(Exception):
@@ -150,9 +151,12 @@ class ExpressServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            if self._token is not None and not self._authenticated(conn):
-                _send(conn, grpc.StatusCode.UNAUTHENTICATED.value[0], b"wrong or missing bearer token")
-                return
+            if self._token is not None:
+                conn.settimeout(_AUTH_TIMEOUT_S)  # a connection holding a slot without a token
+                if not self._authenticated(conn):
+                    _send(conn, grpc.StatusCode.UNAUTHENTICATED.value[0], b"wrong or missing bearer token")
+                    return
+                conn.settimeout(None)  # an authenticated reader may sit idle between refits
             while True:
                 kind, size = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
                 method = _BY_BYTE.get(kind)
