@@ -7,6 +7,7 @@ receivers in separate processes over real NIXL (UCX loopback) and the real gRPC 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -299,5 +300,7 @@ def test_a_reader_at_the_cap_waits_for_a_replica_rather_than_queueing(mx_catalog
         assert sorted(r.stats.replicas_read for r in got) in ([0, 0], [0, 1])  # who won the slot is a race
         for r in got:
             assert all(torch.equal(t, weights[n]) for n, t in r.tensors)
-        readers = trainer.client.get_version(mx_model_name, 1).readers
+        deadline = time.monotonic() + 10  # a release confirmed by its lease's deadline follows the refit
+        while (readers := trainer.client.get_version(mx_model_name, 1).readers) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert readers == {}  # every lease released

@@ -29,6 +29,7 @@ def test_after_the_first_lease_both_hot_calls_take_the_lane_with_grpcs_answers_a
         assert srv.express is not None
         first = client.lease_version("m", "r")  # over gRPC: the reply offers the lane
         assert client.express_calls == 0
+        assert client._lane.wait_ready(5)  # dialled in the background
         client.release_lease(first.lease_id)
         again = client.lease_version("m", "r")
         assert again.info.version == 1 and again.info == first.info  # the same manifest
@@ -48,7 +49,7 @@ def test_after_the_first_lease_both_hot_calls_take_the_lane_with_grpcs_answers_a
 def test_a_lane_that_fails_hands_the_call_to_grpc_and_is_not_dialled_again() -> None:
     with _served() as srv, CatalogClient(srv.address, token="s3cret") as client:
         client.release_lease(client.lease_version("m", "r").lease_id)
-        assert srv.express is not None
+        assert srv.express is not None and client._lane.wait_ready(5)
         lane = srv.express
         lane.stop()  # the lane goes away; gRPC stays
         leased = client.lease_version("m", "r")  # the lane fails mid-call: gRPC answers
@@ -66,8 +67,10 @@ def test_the_lane_wants_the_token_and_drops_garbage() -> None:
         # A wrong token: the lane refuses it, the client falls back, and gRPC refuses it too.
         with CatalogClient(srv.address, token="wrong") as client:
             client._lane.offer(port)
+            assert client._lane.wait_ready(5)  # the dial succeeds; the lane reads the token later
             with pytest.raises(Unauthenticated):
                 client.lease_version("m", "r")
+            assert not client._lane.ready()  # refused: dropped
         # A raw connection with the wrong token is told so and closed.
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
             raw.sendall(struct.pack(">BI", 0, 5) + b"wrong")
@@ -81,7 +84,9 @@ def test_the_lane_wants_the_token_and_drops_garbage() -> None:
                 assert raw.recv(1) == b""
         # ...and the lane still serves everyone else.
         with CatalogClient(srv.address, token="s3cret") as client:
-            client.release_lease(client.lease_version("m", "r").lease_id)
+            leased = client.lease_version("m", "r")
+            assert client._lane.wait_ready(5)
+            client.release_lease(leased.lease_id)
             client.release_lease(client.lease_version("m", "r").lease_id)
             assert client.express_calls == 3
 
@@ -104,7 +109,9 @@ def test_work_given_to_the_lease_call_runs_once_on_every_path() -> None:
     with _served() as srv, CatalogClient(srv.address, token="s3cret") as client:
         runs: list[int] = []
         # gRPC (the lane is not offered yet): before the call.
-        client.release_lease(client.lease_version("m", "r", while_waiting=lambda: runs.append(1)).lease_id)
+        first = client.lease_version("m", "r", while_waiting=lambda: runs.append(1))
+        assert client._lane.wait_ready(5)
+        client.release_lease(first.lease_id)
         # the lane: after sending, before reading the reply
         client.release_lease(client.lease_version("m", "r", while_waiting=lambda: runs.append(2)).lease_id)
         assert client.express_calls == 3
@@ -115,13 +122,15 @@ def test_work_given_to_the_lease_call_runs_once_on_every_path() -> None:
         assert runs == [1, 2, 3]
     with _served() as srv, CatalogClient(srv.address, token="s3cret") as client:
         client.release_lease(client.lease_version("m", "r").lease_id)
+        assert client._lane.wait_ready(5)
 
         def fail() -> None:
             raise RuntimeError("work failed")
 
         with pytest.raises(RuntimeError, match="work failed"):  # its error is the caller's
             client.lease_version("m", "r", while_waiting=fail)
-        client.release_lease(client.lease_version("m", "r").lease_id)  # the lane reconnects
+        client.release_lease(client.lease_version("m", "r").lease_id)  # gRPC; the lane redials
+        assert client._lane.wait_ready(5)
 
 
 def test_a_receiver_readies_its_read_while_the_catalog_answers_only_where_it_can() -> None:

@@ -52,7 +52,7 @@ _BY_BYTE = {code: (name, req) for name, (code, req, _) in EXPRESS_METHODS.items(
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_REQUEST_BYTES = 1 << 20  # requests are a few hundred bytes; anything bigger is not ours
 MAX_CONNECTIONS = 512
-_CONNECT_TIMEOUT_S = 1.0
+_CONNECT_TIMEOUT_S = 5.0  # dialled in the background: a slow or dropped dial costs no refit
 _RETRY_AFTER_S = 60.0  # a lane that failed is not dialled again for this long
 _AUTH_TIMEOUT_S = 10.0  # a connection that sends no token in this time is dropped
 
@@ -207,8 +207,10 @@ class ExpressClient:
         code, _, reply_type = EXPRESS_METHODS[method]
         payload = request.SerializeToString()
         with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise LaneDown("not connected")
             try:
-                sock = self._connect(timeout_s)
                 sock.settimeout(timeout_s)
                 _send(sock, code, payload)
             except (OSError, ConnectionError) as exc:
@@ -241,15 +243,15 @@ class ExpressClient:
             raise LaneDown(f"the express lane refused the token: {body.decode(errors='replace')}")
         raise ExpressStatus(grpc_code, body.decode(errors="replace"))
 
-    def _connect(self, timeout_s: float) -> socket.socket:
-        if self._sock is None:
-            # A lane that cannot be reached (a firewall) must not cost the refit its deadline.
-            sock = socket.create_connection(self._address, timeout=min(timeout_s, _CONNECT_TIMEOUT_S))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._token:
-                _send(sock, _AUTH, self._token.encode())
+    def connect(self, timeout_s: float = _CONNECT_TIMEOUT_S) -> None:
+        """Dial the lane and send the token (raises ``OSError`` when it cannot be reached)."""
+        sock = socket.create_connection(self._address, timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._token:
+            _send(sock, _AUTH, self._token.encode())
+        with self._lock:
+            self._close_locked()
             self._sock = sock
-        return self._sock
 
     def close(self) -> None:
         with self._lock:
@@ -274,21 +276,32 @@ class Once:
 
 
 class ExpressRoute:
-    """A catalog client's use of the lane: dialled once offered, dropped (and that port left
-    alone for a minute) when it fails, never used across ``fork()``."""
+    """A catalog client's use of the lane: dialled in the background once offered (calls use
+    gRPC until the lane is up, so a lane behind a firewall or a proxy that does not pass its
+    port costs no call anything), dropped when it fails (that port is then left alone for a
+    minute), never used across ``fork()``."""
 
     def __init__(self, address: str, token: str | None, *, enabled: bool) -> None:
         self._host = address.rpartition(":")[0].strip("[]")
         self._token = token
         self._enabled = enabled
         self._lock = threading.Lock()
-        self._client: ExpressClient | None = None
+        self._client: ExpressClient | None = None  # connected
+        self._dialing = 0  # pid of the process dialling (a child forked meanwhile dials anew)
+        self._closes = 0  # close() calls: a dial that outlives one is dropped, not installed
         self._pid = -1
         self._failed: tuple[int, float] | None = None  # (port, when) of the last failure
         self.calls = 0
 
     def ready(self) -> bool:
         return self._client is not None and self._pid == os.getpid()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the lane is up within ``timeout_s`` (for tools and tests)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self.ready()
 
     def offer(self, port: int) -> None:
         """The catalog offers its lane on ``port`` of the host the client dials."""
@@ -298,8 +311,27 @@ class ExpressRoute:
         if failed is not None and failed[0] == port and time.monotonic() - failed[1] < _RETRY_AFTER_S:
             return
         with self._lock:
-            if self._client is None or self._pid != os.getpid():
-                self._client, self._pid = ExpressClient(self._host, port, self._token), os.getpid()
+            if self._dialing == os.getpid() or (self._client is not None and self._pid == os.getpid()):
+                return
+            self._client, self._dialing = None, os.getpid()
+            closes = self._closes
+        threading.Thread(target=self._dial, args=(port, closes), name="mx-refit-express-dial", daemon=True).start()
+
+    def _dial(self, port: int, closes: int) -> None:
+        lane = ExpressClient(self._host, port, self._token)
+        try:
+            lane.connect()
+        except OSError as exc:
+            log.info("catalog %s: express lane on port %d unreachable (%s); calls go over gRPC", self._host, port, exc)
+            with self._lock:
+                self._failed, self._dialing = (port, time.monotonic()), 0
+            return
+        with self._lock:
+            self._dialing = 0
+            if closes == self._closes:
+                self._client, self._pid = lane, os.getpid()
+                return
+        lane.close()  # the client was closed while we dialled
 
     def call(self, method: str, request: Any, timeout_s: float, while_waiting: Callable[[], None] | None) -> Any:
         """The reply, or None when the call must go over gRPC (no lane, the lane failed, or a
@@ -316,16 +348,25 @@ class ExpressRoute:
             raise
         except LaneDown as exc:
             log.info("catalog %s: express lane failed (%s); calls go over gRPC", self._host, exc)
-            with self._lock:
-                if self._client is lane:
-                    self._client = None
-                    self._failed = (lane.port, time.monotonic())
+            self._drop(lane, failed=True)
             return None
+        except BaseException:  # the caller's while_waiting failed: the lane is fine but out of step
+            self._drop(lane, failed=False)
+            raise
         self.calls += 1
         return reply
+
+    def _drop(self, lane: ExpressClient, *, failed: bool) -> None:
+        with self._lock:
+            if self._client is lane:
+                self._client = None
+                if failed:
+                    self._failed = (lane.port, time.monotonic())
+        lane.close()
 
     def close(self) -> None:
         with self._lock:
             lane, self._client = self._client, None
+            self._closes += 1
         if lane is not None and self._pid == os.getpid():
             lane.close()
