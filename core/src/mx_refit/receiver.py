@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit._backoff import Backoff
 from mx_refit._lease import LeaseGuard, LeaseRenewer
-from mx_refit.catalog.api import LeasingCatalog
+from mx_refit.catalog.api import LeasingCatalog, overlaps_lease
 from mx_refit.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -150,9 +149,8 @@ class Receiver:
         self._lease_in_discovery = (
             isinstance(self.client, LeasingCatalog) and fanout == "none" and not max_readers_per_source
         )
-        # A client that can run work while its lease call is answered (CatalogClient) readies the
-        # next read's copy stream meanwhile; other catalogs (in-process, adapters) just answer.
-        self._overlaps_lease = _accepts(getattr(self.client, "lease_version", None), "while_waiting")
+        # A client that runs work while its lease call is answered readies the next read meanwhile.
+        self._overlaps_lease = overlaps_lease(self.client)
 
     @classmethod
     def from_config(
@@ -550,16 +548,6 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _accepts(method: Any, keyword: str) -> bool:
-    """Whether ``method`` takes ``keyword`` (False for no method, or one that cannot say)."""
-    if method is None:
-        return False
-    try:
-        return keyword in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _region_edges(source: SourceInfo) -> list[int]:
