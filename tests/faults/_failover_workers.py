@@ -317,7 +317,9 @@ def doomed_reader(catalog: str, cmd: dict) -> None:
         def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
             return getattr(self._inner, name)
 
-    rec = Receiver(catalog, cmd["model"], transport=Doomed("nixl", name=f"doomed-{me}"), lease_ttl_s=10.0)
+    # The warm-up's lease outlasts the rank's 60 s lease fence, so its release is waited for:
+    # none of it may still be queued on the renewal thread when this process dies.
+    rec = Receiver(catalog, cmd["model"], transport=Doomed("nixl", name=f"doomed-{me}"), lease_ttl_s=120.0)
     rec.client = Catalog(rec.client)  # type: ignore[assignment]
     if point in ("mid-pull", "pulled"):
         # A first refit connects to the source and registers the arena (slow once: on a loaded
