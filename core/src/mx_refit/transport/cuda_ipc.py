@@ -321,7 +321,7 @@ class CudaIpcTransport:
         # source_id -> (request list, its key, device copies, bytes): a cycle's translation
         self._translated: dict[str, tuple[Any, Any, list[tuple[int, int, int]], int]] = {}
         # The last read, whole: a steady cycle (same request lists, same exports, same arena)
-        # goes straight to the copies (see _steady_program).
+        # goes straight to the copies (see _Program).
         self._program: _Program | None = None
         # (thread, arena address) of a prime() whose stream setup the next read still owes
         self._primed: tuple[int, int] | None = None
@@ -379,6 +379,7 @@ class CudaIpcTransport:
         import torch
 
         with self._lock:
+            self._primed = None  # only this refit's prime may count
             program = self._program
             if self._closed or program is None or program.arena_ptr != arena.data_ptr():
                 return
@@ -560,7 +561,7 @@ class CudaIpcTransport:
         """Close the handles of a source that expired or was replaced."""
         with self._lock:
             self._translated.pop(source_id, None)
-            self._program = None
+            self._program = self._primed = None
             if self._cache is not None:
                 self._cache.forget(source_id)
 
