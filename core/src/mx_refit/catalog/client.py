@@ -223,7 +223,9 @@ class CatalogClient:
         """One unary call with bounded retries on transient failures (every RPC is idempotent:
         the catalog treats a repeated release or registration as a no-op). ``wait_for_ready``:
         wait, within the call's deadline, for a connection the channel is re-establishing
-        instead of failing at once while it backs off between reconnects."""
+        instead of failing at once while it backs off between reconnects. The calls in
+        ``EXPRESS_METHODS`` take the express lane while it is up (gRPC otherwise);
+        ``while_waiting`` runs once, between sending and reading on the lane, else first."""
         if method in EXPRESS_METHODS and self._lane.ready():
             once = Once(while_waiting) if while_waiting is not None else None
             try:
