@@ -258,6 +258,16 @@ def test_a_steady_program_serves_only_the_same_lists_exports_and_arena() -> None
     assert not program.serves({"s": restarted}, {"s": ranges}, Arena(0x9000))
     assert not program.serves({"s": source, "t": source}, {"s": ranges, "t": ranges}, Arena(0x9000))
 
+    # Forgetting a source the program does not read keeps it; forgetting one it reads drops it.
+    from mx_refit.transport.cuda_ipc import CudaIpcTransport
+
+    transport = CudaIpcTransport()
+    transport._program = program
+    transport.forget("replica-that-left")
+    assert transport._program is program
+    transport.forget("s")
+    assert transport._program is None
+
 
 def test_a_path_choice_is_remembered_until_the_export_changes(monkeypatch) -> None:
     from types import SimpleNamespace
@@ -265,7 +275,7 @@ def test_a_path_choice_is_remembered_until_the_export_changes(monkeypatch) -> No
     from mx_refit.transport.routing import RoutingTransport
 
     transport = RoutingTransport.__new__(RoutingTransport)  # no NIXL agent or GPU needed here
-    transport.mode, transport._node, transport._choices, transport._chosen_for = "auto", NODE, {}, {}
+    transport.mode, transport._node, transport._choices = "auto", NODE, {}
     calls = []
 
     def identity(arena):

@@ -13,6 +13,7 @@ import re
 import socket
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,8 @@ class DynamoWorkerProc:
 
 def start_workers(specs: list[tuple[str, int]], hf_dir: Path, log_dir: Path, **extra: str) -> list[DynamoWorkerProc]:
     return start_concurrently(
-        [(lambda name=name, tp=tp: DynamoWorkerProc(name, tp, hf_dir, log_dir, **extra))
-         for name, tp in specs],
-        stop=lambda worker: worker.stop(),
+        [partial(DynamoWorkerProc, name, tp, hf_dir, log_dir, **extra) for name, tp in specs],
+        stop=DynamoWorkerProc.stop,
     )
 
 

@@ -62,16 +62,12 @@ class LaneDown(Exception):
 
 
 class ExpressStatus(Exception):
-    """The catalog answered the call with a non-OK status (the client maps it to its error)."""
+    """A call answered with a non-OK status: raised by the servicer's ``context.abort`` on the
+    server (and sent back), and by :class:`ExpressClient` on the client (which maps it to its
+    domain error)."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
         self.code, self.details = code, details
 
 
@@ -79,7 +75,7 @@ class _LaneContext:
     """The part of ``grpc.ServicerContext`` the servicer's handlers use on these methods."""
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Aborted(code, details)
+        raise ExpressStatus(code, details)
 
     def is_active(self) -> bool:
         return True
@@ -168,7 +164,7 @@ class ExpressServer:
                 self.calls += 1
                 try:
                     reply = getattr(self._servicer, name)(request, _LaneContext())
-                except _Aborted as exc:
+                except ExpressStatus as exc:
                     _send(conn, exc.code.value[0], exc.details.encode())
                     continue
                 _send(conn, 0, reply.SerializeToString())

@@ -561,7 +561,8 @@ class CudaIpcTransport:
         """Close the handles of a source that expired or was replaced."""
         with self._lock:
             self._translated.pop(source_id, None)
-            self._program = self._primed = None
+            if self._program is not None and source_id in self._program.exports:
+                self._program = self._primed = None  # it reads that source: made anew next read
             if self._cache is not None:
                 self._cache.forget(source_id)
 

@@ -89,9 +89,8 @@ class RoutingTransport:
         self._where: dict[tuple[int, int], tuple[str, int]] = {}
         self._index: dict[tuple[str, int], RegionIndex] = {}
         self._nixl_registered: set[tuple[int, int]] = set()
-        self._choices: dict[str, PathChoice] = {}
-        # source -> (its export, the arena's device, the choice): steady cycles choose nothing
-        self._chosen_for: dict[str, tuple[Any, Any, PathChoice]] = {}
+        # source -> (its export, the arena's device, the path chosen): steady cycles choose nothing
+        self._choices: dict[str, tuple[Any, Any, PathChoice]] = {}
         self._checked: dict[str, tuple[Sequence[Range], int]] = {}  # source -> (ranges, arena bytes reached)
         self._peers: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
         self._node = local_node()
@@ -255,15 +254,14 @@ class RoutingTransport:
     def choose(self, source: "SourceInfo", arena: "torch.Tensor") -> PathChoice:
         """The path for ``source`` into ``arena`` (logged when it changes)."""
         device = arena.device
-        memo = self._chosen_for.get(source.source_id)
+        memo = self._choices.get(source.source_id)
         if memo is not None and memo[1] == device and memo[0] == source.cuda_ipc:
             return memo[2]
         local_uuid, peers = self._device_identity(arena)
         choice = select_path(self.mode, source.cuda_ipc, self._node, local_uuid, peers)
-        if self._choices.get(source.source_id) != choice:
+        if memo is None or memo[2] != choice:
             log.info("source %s: reading over %s (%s)", source.source_id, choice.path, choice.reason)
-            self._choices[source.source_id] = choice
-        self._chosen_for[source.source_id] = (source.cuda_ipc, device, choice)
+        self._choices[source.source_id] = (source.cuda_ipc, device, choice)
         return choice
 
     def _device_identity(self, arena: "torch.Tensor") -> tuple[bytes | None, tuple[bytes, ...]]:
@@ -361,7 +359,7 @@ class RoutingTransport:
             if not source.agent_metadata:
                 raise TransferError(
                     f"source {source_id}: exports no NIXL metadata (it runs without NIXL) and cannot be "
-                    f"read over CUDA IPC from here ({self._choices[source_id].reason})", source_id=source_id,
+                    f"read over CUDA IPC from here ({self._choices[source_id][2].reason})", source_id=source_id,
                 )
             agent.connect(source_id, source.agent_name, source.agent_metadata)
             first = source.tensors[0] if source.tensors else None
@@ -378,7 +376,6 @@ class RoutingTransport:
         """A source expired or left the version: close its IPC handles and NIXL connection."""
         with self._lock:
             self._choices.pop(source_id, None)
-            self._chosen_for.pop(source_id, None)
             self._checked.pop(source_id, None)
             if self._ipc is not None:
                 self._ipc.forget(source_id)
