@@ -147,9 +147,9 @@ def test_a_receiver_readies_its_read_while_the_catalog_answers_only_where_it_can
 
 
 def test_a_connection_that_never_sends_its_token_is_dropped(monkeypatch) -> None:
-    from mx_refit.catalog import express
+    from mx_refit.catalog.express import server
 
-    monkeypatch.setattr(express, "_AUTH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(server, "_AUTH_TIMEOUT_S", 0.2)
     with _served() as srv:
         assert srv.express is not None
         with socket.create_connection(("127.0.0.1", srv.express.port), timeout=5) as raw:

@@ -41,7 +41,8 @@ from mx_refit.catalog.digests import (
     ManifestStats,
     UnknownDigest,
 )
-from mx_refit.catalog.express import EXPRESS_METHODS, ExpressRoute, ExpressStatus, Once
+from mx_refit.catalog.express.client import ExpressRoute, Once
+from mx_refit.catalog.express.framing import EXPRESS_METHODS, ExpressStatus
 from mx_refit.catalog.status import RETRYABLE, error_for
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc

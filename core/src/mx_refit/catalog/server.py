@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from mx_refit.catalog.api import DEFAULT_MAX_MESSAGE_BYTES
-from mx_refit.catalog.express import ExpressServer
+from mx_refit.catalog.express.server import ExpressServer
 from mx_refit.catalog.service import CatalogService
 from mx_refit.catalog.servicer import CatalogServicer
 from mx_refit.catalog.v1 import catalog_pb2_grpc
