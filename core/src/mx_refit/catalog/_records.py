@@ -14,7 +14,6 @@ from typing import Any
 from mx_refit.catalog.api import ReadProgress
 from mx_refit.catalog.digests import sidecar_digest
 from mx_refit.catalog.validation import json_text, merge_sidecar
-from mx_refit.errors import InvalidArgument
 from mx_refit.types import Role, SourceInfo, VersionInfo, VersionState
 
 __all__ = [
@@ -28,10 +27,7 @@ __all__ = [
     "TRANSIENT",
     "Timed",
     "VersionRecord",
-    "check_tensors_agree",
-    "find_predecessor",
     "index_tensors",
-    "republishable",
 ]
 
 # Field metadata of state that is a cache or an index: stores do not keep it, and the class's
@@ -193,43 +189,6 @@ def index_tensors(index: TensorIndex, source: SourceInfo) -> None:
     """Record the dtype/global_shape/role of every tensor name ``source`` introduces."""
     for desc in source.tensors:
         index.setdefault(desc.name, (desc.dtype, desc.global_shape, desc.role, source.source_id))
-
-
-def check_tensors_agree(index: TensorIndex, source: SourceInfo) -> None:
-    """Ranks holding shards of the same tensor must agree on what the full tensor is."""
-    for i, desc in enumerate(source.tensors):
-        known = index.get(desc.name)
-        if known is None:
-            continue
-        for attr, old in zip(("dtype", "global_shape", "role"), known[:3], strict=True):
-            new = getattr(desc, attr)
-            if new != old:
-                show = (lambda v: v.value) if attr == "role" else repr
-                raise InvalidArgument(
-                    f"source.tensors[{i}].{attr}: {show(new)} for tensor {desc.name!r} disagrees "
-                    f"with {show(old)} registered by source {known[3]!r}"
-                )
-
-
-def find_predecessor(sources: dict[str, SourceLife], src: SourceInfo) -> SourceLife | None:
-    """The live registration of ``src.source_id`` by another process, which ``src`` (a
-    restarted rank) replaces; None when there is none or either incarnation is unknown."""
-    life = sources.get(src.source_id)
-    if life is None or not life.incarnation or not src.incarnation:
-        return None
-    return life if life.incarnation != src.incarnation else None
-
-
-def republishable(rec: VersionRecord, predecessor: SourceLife | None) -> bool:
-    """Whether ``rec``'s version number may be published afresh: it EXPIRED (a source died),
-    or a restarted rank's predecessor served it and it left PENDING."""
-    if rec.state is VersionState.EXPIRED:
-        return True
-    return (
-        predecessor is not None
-        and rec.state is not VersionState.PENDING
-        and predecessor.source_id in rec.sources
-    )
 
 
 @dataclass(eq=False)

@@ -8,16 +8,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mx_refit.catalog._records import LeaseRecord, SourceLife, VersionRecord
 from mx_refit.catalog._replicas import check_lease_sources
 from mx_refit.catalog.store.base import CatalogState, CatalogStore, Txn
 from mx_refit.catalog.store.memory import MemoryStore
-from mx_refit.catalog.validation import CatalogLimits, check_int, check_name, same_json
+from mx_refit.catalog.validation import CatalogLimits, check_int, check_name
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
-from mx_refit.types import SourceInfo, VersionState
+from mx_refit.types import VersionState
 
 __all__ = ["LIVE", "TERMINAL", "CatalogCore", "check_ids", "check_lookup"]
 
@@ -159,17 +158,6 @@ class CatalogCore:
                 f"version: model {model!r} has no version {version} (known: {known or 'none'})"
             )
         return rec
-
-    @staticmethod
-    def _same_registration(
-        rec: VersionRecord, old: SourceInfo, new: SourceInfo, sidecar: dict[str, Any]
-    ) -> bool:
-        # Digests first: type-strict on extras, and cheap to compare.
-        return (
-            new.layout_digest == old.layout_digest
-            and replace(new, ready=old.ready) == old
-            and same_json(rec.sidecars[old.source_id], sidecar)
-        )
 
     def _maybe_ready_locked(self, rec: VersionRecord) -> None:
         if (

@@ -29,6 +29,12 @@ new one"); state conflicts (leasing a version that is not READY, replacing a sou
 that left PENDING) are ``FailedPrecondition`` naming the state; contradictions between a
 request and what other sources registered (expected_sources, mesh position, tensor dtype/shape/
 role, sidecar values) are ``InvalidArgument`` naming the field and both values.
+
+Where the parts live: this module holds the public calls; :mod:`._registration` the rules of
+:meth:`CatalogService.register_source` (validate, conflicts; the commit is here);
+:mod:`._transitions` (``CatalogCore``) the store calls and the transitions every call shares
+(TTL reaping, expiry, leases, draining, pruning); :mod:`._replicas` (``ReplicaCatalog``) the
+fan-out replicas; :mod:`._records` the records and the deadline heap.
 """
 
 from __future__ import annotations
@@ -38,29 +44,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mx_refit.catalog._records import (
-    Manifest,
-    VersionRecord,
-    check_tensors_agree,
+from mx_refit.catalog._records import Manifest, SourceLife, TensorIndex, VersionRecord, index_tensors
+from mx_refit.catalog._registration import (
+    Registration,
+    check_conflicts,
     find_predecessor,
-    index_tensors,
-    republishable,
+    is_repeat,
+    validate_registration,
+    version_to_join,
 )
 from mx_refit.catalog._replicas import ReplicaCatalog
-from mx_refit.catalog._transitions import LIVE, CatalogCore, check_ids, check_lookup
+from mx_refit.catalog._transitions import CatalogCore, check_ids, check_lookup
 from mx_refit.catalog.api import DEFAULT_TTL_S, LeasedVersion, ReadProgress, VersionSummary
-from mx_refit.catalog.digests import stamp_layout
+from mx_refit.catalog.digests import Layout
 from mx_refit.catalog.store.base import Txn
 from mx_refit.catalog.validation import (
     check_incarnations,
-    check_int,
     check_name,
     check_seconds,
-    describe_mesh,
-    find_sidecar_conflict,
     merge_sidecar,
-    validate_sidecar,
-    validate_source,
 )
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
@@ -124,110 +126,56 @@ class CatalogService(ReplicaCatalog, CatalogCore):
         tracked) is how many distinct readers :meth:`wait_read` waits for; like
         ``expected_sources`` it must agree across the version's registrations.
         """
-        model = check_name(model, "model")
-        version = check_int(version, "version", minimum=0)
-        expected = check_int(expected_sources, "expected_sources", minimum=1)
-        if expected > self.limits.max_expected_sources:
-            raise InvalidArgument(
-                f"expected_sources: {expected} exceeds the limit of "
-                f"{self.limits.max_expected_sources}"
-            )
-        readers = check_int(expected_readers, "expected_readers", minimum=0)
-        if readers > self.limits.max_expected_readers:
-            raise InvalidArgument(
-                f"expected_readers: {readers} exceeds the limit of "
-                f"{self.limits.max_expected_readers}"
-            )
-        ttl = check_seconds(ttl_s, "ttl_s", maximum=self.limits.max_ttl_s)
-        # Pure validation happens outside the lock: a 1M-descriptor manifest must not stall
-        # heartbeats from every other rank.
-        src = validate_source(source, self.limits)
-        extra = validate_sidecar(sidecar, self.limits)
-        sid = src.source_id
-        previous = self.store.run(lambda txn: txn.state.layouts.get(sid))
-        src, layout = stamp_layout(src, previous)  # outside the lock, like validation
-        def body(now: float) -> Any:
-            predecessor = find_predecessor(self._st.sources, src)
-            rec = self._st.models.get(model, {}).get(version)
-            if rec is not None and republishable(rec, predecessor):
-                rec = None  # a dead version's number: published afresh
-            if rec is None:
-                rec = VersionRecord(model, version, expected, expected_readers=readers)
-                is_new = True
-            else:
-                is_new = False
-                if rec.expected_sources != expected:
-                    raise InvalidArgument(
-                        f"expected_sources: {expected} does not match {rec.expected_sources} "
-                        f"registered earlier for {rec.label}"
-                    )
-                if rec.expected_readers != readers:
-                    raise InvalidArgument(
-                        f"expected_readers: {readers} does not match {rec.expected_readers} "
-                        f"registered earlier for {rec.label}"
-                    )
-            old = rec.sources.get(sid)
-            if (
-                old is not None
-                and predecessor is None
-                and rec.state in LIVE
-                and self._same_registration(rec, old, src, extra)
-            ):
-                if src.ready and not old.ready and rec.state is VersionState.PENDING:
-                    rec.sources[sid] = replace(old, ready=True)
-                    self._maybe_ready_locked(rec)
-                self._touch_source_locked(sid, ttl, now, rec)
-                return rec.state
-            if rec.state is not VersionState.PENDING:
-                what = "replaced" if old is not None else "added"
-                raise FailedPrecondition(
-                    f"{rec.label} is {rec.state.value}; source {sid!r} cannot be {what} "
-                    "(sources change only while PENDING)"
-                )
-            if old is None and len(rec.sources) >= rec.expected_sources:
-                raise InvalidArgument(
-                    f"expected_sources: {rec.label} already has all {rec.expected_sources} "
-                    f"expected sources ({', '.join(sorted(rec.sources))}); "
-                    f"{sid!r} is not one of them"
-                )
-            for other in rec.sources.values():
-                if other.source_id != sid and other.mesh == src.mesh:
-                    raise InvalidArgument(
-                        f"source.mesh: position ({describe_mesh(src.mesh)}) of source {sid!r} is "
-                        f"already held by source {other.source_id!r} of {rec.label}"
-                    )
-            others = [s for s in rec.sources.values() if s.source_id != sid]
-            if old is None:
-                index, merged = rec.tensors, rec.sidecar
-            else:  # replacing: check against everyone except the previous incarnation
-                index, merged = {}, {}
-                for other in others:
-                    index_tensors(index, other)
-                    merge_sidecar(merged, rec.sidecars[other.source_id])
-            check_tensors_agree(index, src)
-            conflict = find_sidecar_conflict(merged, extra, sid)
-            if conflict:
-                raise InvalidArgument(conflict)
+        reg = validate_registration(self.limits, model, version, expected_sources, source, sidecar, ttl_s,
+                                    expected_readers, self._last_layout)  # outside the lock
+        return self._txn(lambda now: self._register_locked(reg, now))
 
-            # Everything checked: commit.
-            if predecessor is not None:
-                # A restarted rank: its predecessor's versions die with it (this one, if still
-                # PENDING, keeps the other ranks' registrations and takes the new one).
-                self._expire_source_locked(predecessor, spare=rec)
-            if is_new:
-                self._st.models.setdefault(model, {})[version] = rec
-            rec.tensors, rec.sidecar = index, merged
-            index_tensors(rec.tensors, src)
-            merge_sidecar(rec.sidecar, extra)
-            rec.sidecar_text = None
-            rec.sources[sid] = src
-            rec.sidecars[sid] = extra
-            self._st.layouts[sid] = layout
-            self._touch_source_locked(sid, ttl, now, rec, src.incarnation)
-            self._maybe_ready_locked(rec)
+    def _last_layout(self, source_id: str) -> Layout | None:
+        return self.store.run(lambda txn: txn.state.layouts.get(source_id))
+
+    def _register_locked(self, reg: Registration, now: float) -> VersionState:
+        """Steps 2 and 3 of a registration (:mod:`mx_refit.catalog._registration`): find its
+        version and check it against the other sources, then commit it."""
+        predecessor = find_predecessor(self._st.sources, reg.source)
+        rec, is_new = version_to_join(self._st.models, reg, predecessor)
+        old = rec.sources.get(reg.source_id)
+        if old is not None and is_repeat(rec, old, reg, predecessor):
+            if reg.source.ready and not old.ready and rec.state is VersionState.PENDING:
+                rec.sources[reg.source_id] = replace(old, ready=True)
+                self._maybe_ready_locked(rec)
+            self._touch_source_locked(reg.source_id, reg.ttl_s, now, rec)
             return rec.state
+        index, merged = check_conflicts(rec, reg, old)
+        self._commit_registration_locked(reg, rec, is_new, predecessor, (index, merged), now)
+        return rec.state
 
-        return self._txn(body)
+    def _commit_registration_locked(
+        self,
+        reg: Registration,
+        rec: VersionRecord,
+        is_new: bool,
+        predecessor: SourceLife | None,
+        checked: tuple[TensorIndex, dict[str, Any]],
+        now: float,
+    ) -> None:
+        """Write ``reg`` into ``rec`` (inserting ``rec`` when new), the tensor index and sidecar
+        it was ``checked`` against extended with its own."""
+        if predecessor is not None:
+            # A restarted rank: its predecessor's versions die with it (this one, if still
+            # PENDING, keeps the other ranks' registrations and takes the new one).
+            self._expire_source_locked(predecessor, spare=rec)
+        if is_new:
+            self._st.models.setdefault(reg.model, {})[reg.version] = rec
+        sid, src = reg.source_id, reg.source
+        rec.tensors, rec.sidecar = checked
+        index_tensors(rec.tensors, src)
+        merge_sidecar(rec.sidecar, reg.sidecar)
+        rec.sidecar_text = None
+        rec.sources[sid] = src
+        rec.sidecars[sid] = reg.sidecar
+        self._st.layouts[sid] = reg.layout
+        self._touch_source_locked(sid, reg.ttl_s, now, rec, src.incarnation)
+        self._maybe_ready_locked(rec)
 
     def mark_ready(self, model: str, version: int, source_id: str) -> VersionState:
         """Mark a registered source ready; the version becomes READY once every expected source
