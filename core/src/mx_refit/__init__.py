@@ -51,6 +51,7 @@ hookimpl = pluggy.HookimplMarker("mx_refit")
 if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.api import Catalog
     from mx_refit.catalog.server import CatalogServer, start_catalog
+    from mx_refit.checks import batches
     from mx_refit.config import WeightSyncConfig, load_config
     from mx_refit.megatron.parallel import BridgedModel, is_publishing_rank, mesh_position
     from mx_refit.plugins import Hooks
@@ -68,6 +69,7 @@ _LAZY = {
     "Receiver": "mx_refit.receiver",
     "RefitResult": "mx_refit.receiver",
     "WeightSyncConfig": "mx_refit.config",
+    "batches": "mx_refit.checks",
     "is_publishing_rank": "mx_refit.megatron.parallel",
     "load_config": "mx_refit.config",
     "mesh_position": "mx_refit.megatron.parallel",
@@ -122,6 +124,7 @@ __all__ = [
     "VersionState",
     "WeightSyncConfig",
     "__version__",
+    "batches",
     "hookimpl",
     "is_publishing_rank",
     "load_config",

@@ -28,10 +28,51 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mx_refit.checks import (
+    AUTO,
+    CATALOG_MODES,
+    CUDA_IPC,
+    EMBEDDED,
+    FANOUT_MODES,
+    NIXL,
+    NO_FANOUT,
+    STANDALONE,
+    TRANSPORT_MODES,
+    TREE,
+    check_count,
+    check_flag,
+    check_mode,
+    check_name,
+    check_seconds,
+)
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import Role
 
 __all__ = [
+    # the settings' defaults (one place: the schema, the constructors and the plugins use these)
+    "DEFAULT_CHECKSUM_BLOCK_BYTES",
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "DEFAULT_LEASE_TTL_S",
+    "DEFAULT_LOAD_BATCH_BYTES",
+    "DEFAULT_SOURCE_TTL_S",
+    "DEFAULT_TRANSFER_TIMEOUT_S",
+    # mode names and argument checks (from mx_refit.checks, re-exported for plugins)
+    "AUTO",
+    "CATALOG_MODES",
+    "CUDA_IPC",
+    "EMBEDDED",
+    "FANOUT_MODES",
+    "NIXL",
+    "NO_FANOUT",
+    "STANDALONE",
+    "TRANSPORT_MODES",
+    "TREE",
+    "check_count",
+    "check_flag",
+    "check_mode",
+    "check_name",
+    "check_seconds",
+    # the schema
     "CatalogConfig",
     "RoleOverrideConfig",
     "WeightSyncConfig",
@@ -47,10 +88,19 @@ __all__ = [
 _PACKAGED_RECIPES = Path(__file__).resolve().parent / "recipes"
 RECIPES_DIR = _PACKAGED_RECIPES if _PACKAGED_RECIPES.is_dir() else Path(__file__).resolve().parents[3] / "recipes"
 
+# Defaults of the settings more than one entry point takes (WeightSyncConfig, Publisher, Receiver,
+# the vLLM plugin's MxInitInfo): declared once, here.
+DEFAULT_TRANSFER_TIMEOUT_S = 120.0
+DEFAULT_LEASE_TTL_S = 60.0
+DEFAULT_SOURCE_TTL_S = 30.0
+DEFAULT_DRAIN_TIMEOUT_S = 120.0
+DEFAULT_CHECKSUM_BLOCK_BYTES = 1 << 20
+DEFAULT_LOAD_BATCH_BYTES = 512 << 20
+
 
 @dataclass
 class CatalogConfig:
-    mode: str = "embedded"  # embedded | standalone
+    mode: str = EMBEDDED  # embedded | standalone
     address: str | None = None  # standalone: host:port of `mx-refit serve`; embedded: filled in once started
     host: str = "127.0.0.1"  # embedded: bind address (0.0.0.0 binds every interface)
     port: int = 0  # embedded: 0 picks a free port
@@ -74,15 +124,15 @@ class WeightSyncConfig:
     method: str = "mx"
     model_name: str = "policy"
     catalog: CatalogConfig = field(default_factory=CatalogConfig)
-    transfer_timeout_s: float = 120.0
-    lease_ttl_s: float = 60.0
-    source_ttl_s: float = 30.0
-    drain_timeout_s: float = 120.0
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    source_ttl_s: float = DEFAULT_SOURCE_TTL_S
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     full_tensors: bool = True
-    transport: str = "auto"  # auto | nixl | cuda_ipc (see README, "Data paths")
+    transport: str = AUTO  # auto | nixl | cuda_ipc (see README, "Data paths")
     checksums: bool = False  # end-to-end per-block checksums (see README, "End-to-end checksums")
-    checksum_block_bytes: int = 1 << 20  # block size of those checksums (publishers)
-    fanout: str = "none"  # none | tree: receivers republish their arena as replicas (README, "Fan-out")
+    checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES  # block size of those checksums (publishers)
+    fanout: str = NO_FANOUT  # none | tree: receivers republish their arena as replicas (README, "Fan-out")
     max_readers_per_source: int = 0  # > 0: concurrent readers one source serves at most
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
     role_overrides: list[RoleOverrideConfig] = field(default_factory=list)
@@ -94,11 +144,9 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
     """Check what types alone cannot; raise :class:`InvalidArgument` naming field and value."""
     if cfg.method != "mx":
         raise InvalidArgument(f"weight_sync.method: {cfg.method!r} is not handled by mx-refit (expected 'mx')")
-    if not cfg.model_name:
-        raise InvalidArgument("weight_sync.model_name: must be a non-empty string")
-    if cfg.catalog.mode not in ("embedded", "standalone"):
-        raise InvalidArgument(f"weight_sync.catalog.mode: {cfg.catalog.mode!r} (expected 'embedded' or 'standalone')")
-    if cfg.catalog.mode == "standalone":
+    check_name(cfg.model_name, "weight_sync.model_name", setting=True)
+    check_mode(cfg.catalog.mode, "weight_sync.catalog.mode", CATALOG_MODES)
+    if cfg.catalog.mode == STANDALONE:
         host, sep, port = (cfg.catalog.address or "").rpartition(":")
         if not (host and sep and port.isdigit()):
             raise InvalidArgument(f"weight_sync.catalog.address: {cfg.catalog.address!r} (expected host:port)")
@@ -111,19 +159,14 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
         if not isinstance(name, str) or not name.strip():
             raise InvalidArgument(f"weight_sync.plugins[{i}]: {name!r} (expected a plugin name)")
     for key in ("transfer_timeout_s", "lease_ttl_s", "source_ttl_s", "drain_timeout_s"):
-        if getattr(cfg, key) <= 0:
-            raise InvalidArgument(f"weight_sync.{key}: {getattr(cfg, key)} must be > 0")
-    if cfg.transport not in ("auto", "nixl", "cuda_ipc"):
-        raise InvalidArgument(f"weight_sync.transport: {cfg.transport!r} (expected 'auto', 'nixl' or 'cuda_ipc')")
-    if not isinstance(cfg.checksums, bool):
-        raise InvalidArgument(f"weight_sync.checksums: {cfg.checksums!r} (expected true or false)")
+        check_seconds(getattr(cfg, key), f"weight_sync.{key}", setting=True)
+    check_mode(cfg.transport, "weight_sync.transport", TRANSPORT_MODES)
+    check_flag(cfg.checksums, "weight_sync.checksums", setting=True)
     from mx_refit.checksums import check_block_bytes
 
     check_block_bytes(cfg.checksum_block_bytes, "weight_sync.checksum_block_bytes")
-    if cfg.fanout not in ("none", "tree"):
-        raise InvalidArgument(f"weight_sync.fanout: {cfg.fanout!r} (expected 'none' or 'tree')")
-    if cfg.max_readers_per_source < 0:
-        raise InvalidArgument(f"weight_sync.max_readers_per_source: {cfg.max_readers_per_source} must be >= 0")
+    check_mode(cfg.fanout, "weight_sync.fanout", FANOUT_MODES)
+    check_count(cfg.max_readers_per_source, "weight_sync.max_readers_per_source", minimum=0, setting=True)
     roles = {r.value for r in Role}
     for i, rule in enumerate(cfg.role_overrides):
         if rule.role not in roles:
@@ -255,9 +298,7 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if hint is Any:
         return value
     if hint is bool:
-        if not isinstance(value, bool):
-            raise InvalidArgument(f"{path}: {value!r} (expected true or false)")
-        return value
+        return check_flag(value, path, setting=True)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidArgument(f"{path}: {value!r} (expected a number)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -14,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit._backoff import Backoff
 from mx_refit._heartbeat import Heartbeat
+from mx_refit.checks import AUTO, check_count, check_flag, check_seconds
+from mx_refit.config import DEFAULT_CHECKSUM_BLOCK_BYTES, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LEASE_TTL_S, DEFAULT_SOURCE_TTL_S
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from mx_refit.types import MemType, MeshPosition, PublishedTensor, SourceInfo, TensorDescriptor, VersionState
 
@@ -115,34 +116,26 @@ class Publisher:
         token: str | None = None,
         transport: "Transport | NixlTransport | None" = None,
         hooks: "Hooks | None" = None,
-        ttl_s: float = 30.0,
+        ttl_s: float = DEFAULT_SOURCE_TTL_S,
         expected_readers: int = 0,
-        drain_timeout_s: float = 120.0,
-        lease_fence_s: float = 60.0,
-        transport_mode: str = "auto",
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        lease_fence_s: float = DEFAULT_LEASE_TTL_S,  # covers readers' leases of the default TTL
+        transport_mode: str = AUTO,
         checksums: bool = False,
-        checksum_block_bytes: int = 1 << 20,
+        checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.checksums import check_block_bytes
         from mx_refit.plugins import Hooks
 
-        if not isinstance(checksums, bool):
-            raise InvalidArgument(f"checksums: must be a bool, got {checksums!r}")
-        self.checksums = checksums
+        self.checksums = check_flag(checksums, "checksums")
         self.checksum_block_bytes = check_block_bytes(checksum_block_bytes, "checksum_block_bytes")
         self.model = model
         self.mesh = mesh or MeshPosition()
         self.mesh.validate()
-        if isinstance(expected_sources, bool) or not isinstance(expected_sources, int) or expected_sources < 1:
-            raise InvalidArgument(f"expected_sources: must be an integer >= 1, got {expected_sources!r}")
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (0 < ttl_s < math.inf):
-            raise InvalidArgument(f"ttl_s: must be a finite number of seconds > 0, got {ttl_s!r}")
-        if isinstance(lease_fence_s, bool) or not isinstance(lease_fence_s, (int, float)) or not (
-            0 <= lease_fence_s < math.inf
-        ):
-            raise InvalidArgument(f"lease_fence_s: must be a finite number of seconds >= 0, got {lease_fence_s!r}")
-        self.lease_fence_s = float(lease_fence_s)
+        check_count(expected_sources, "expected_sources", minimum=1)
+        check_seconds(ttl_s, "ttl_s")
+        self.lease_fence_s = check_seconds(lease_fence_s, "lease_fence_s", allow_zero=True)
         self._fenced_until = 0.0  # monotonic: no mutation before (the catalog lost our leases)
         self.expected_sources = expected_sources
         # Stable per mesh position, so a restarted rank replaces its own entry.
@@ -353,10 +346,8 @@ class Publisher:
         :param timeout_s: Default: ``drain_timeout_s``.
         """
         timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidArgument(f"version: must be an integer >= 0, got {version!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 <= timeout_s < math.inf):
-            raise InvalidArgument(f"timeout_s: must be a finite number of seconds >= 0, got {timeout_s!r}")
+        check_count(version, "version", minimum=0)
+        check_seconds(timeout_s, "timeout_s", allow_zero=True)
         with self._live_lock:  # from now on never re-registered
             self._live.pop(version, None)
         deadline = time.monotonic() + timeout_s

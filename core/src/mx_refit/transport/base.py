@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from mx_refit.checks import CUDA_IPC, NIXL, TRANSPORT_MODES
+from mx_refit.checks import check_mode as check_one_of
 from mx_refit.errors import InvalidArgument
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,16 +38,12 @@ __all__ = [
     "select_path",
 ]
 
-NIXL = "nixl"
-CUDA_IPC = "cuda_ipc"
-# weight_sync.transport: auto picks per source; the others force one path for every source.
-TRANSPORT_MODES = ("auto", NIXL, CUDA_IPC)
 
 
 def check_mode(mode: str, field: str = "transport") -> str:
-    if mode not in TRANSPORT_MODES:
-        raise InvalidArgument(f"{field}: {mode!r} is not one of {TRANSPORT_MODES}")
-    return mode
+    """``mode`` if it is one of :data:`TRANSPORT_MODES` (auto picks per source; the others force
+    one path for every source)."""
+    return check_one_of(mode, field, TRANSPORT_MODES)
 
 
 @dataclass(frozen=True)

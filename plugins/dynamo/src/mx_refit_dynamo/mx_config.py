@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from mx_refit.config import check_count, check_name, check_seconds
 from mx_refit.errors import InvalidArgument
 
 __all__ = ["MAPPING", "MappedConfig", "map_mx_config"]
@@ -116,11 +117,12 @@ def map_mx_config(
     model = config.get("model_name") or default_model
     if not model:
         raise InvalidArgument("mx_config.model_name: missing, and the worker has no model name to default to")
-    init["model"] = model
+    init["model"] = check_name(model, "mx_config.model_name")
     if config.get("token") is not None:
-        init["token"] = config["token"]
+        init["token"] = check_name(config["token"], "mx_config.token")
     timeout = config.get("timeout_seconds")
     if timeout is not None:
+        check_seconds(timeout, "mx_config.timeout_seconds")
         init.setdefault("transfer_timeout_s", timeout)
         update.setdefault("wait_s", timeout)
     location = config.get("buffer_loc")
@@ -132,13 +134,15 @@ def map_mx_config(
                 f"mx_config.buffer_loc={location!r}: expected 'host', 'cpu', 'device', 'gpu' or 'cuda'"
             )
     configured = config.get("version")
+    if configured is not None:
+        check_count(configured, "mx_config.version", minimum=0)
     if version is not None and configured is not None and configured != version:
         raise InvalidArgument(f"mx_config.version={configured!r} contradicts version={version!r}")
     chosen = version if version is not None else configured
     if chosen is not None:
         update["version"] = chosen
     if config.get("min_version") is not None:
-        update["min_version"] = config["min_version"]
+        update["min_version"] = check_count(config["min_version"], "mx_config.min_version", minimum=0)
     return MappedConfig(init_info=init, update_info=update)
 
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mx_refit import batches
 from mx_refit.errors import FailedPrecondition, InvalidArgument
 from mx_refit_nemo_rl import owner as owners
 from mx_refit_nemo_rl.fallback import HfStage, fallback_reasons
@@ -187,16 +188,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         result = self._receiver.refit(min_version=self.version + 1, wait_s=self.config.transfer_timeout_s)
         self.version = result.version.version
         self.last_stats = result.stats
-        batch: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in result.tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if batch and size + nbytes > self.bucket_size:
-                yield batch
-                batch, size = [], 0
-            batch.append((name, tensor))
-            size += nbytes
-        if batch:
+        for batch in batches(result.tensors, self.bucket_size):
             yield batch
 
     def finalize(self) -> None:

@@ -61,22 +61,6 @@ def _accelerator_present() -> bool:
     return torch.cuda.is_available()
 
 
-def _batches(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    out: list[list[tuple[str, torch.Tensor]]] = []
-    batch: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if batch and size + nbytes > max_bytes:
-            out.append(batch)
-            batch, size = [], 0
-        batch.append((name, tensor))
-        size += nbytes
-    if batch:
-        out.append(batch)
-    return out
-
-
 class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
     """vLLM ``WeightTransferEngine`` backend ``"mx"``: pulls published versions over NIXL.
 
@@ -328,7 +312,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             session.layerwise = True
         done = 0
         try:
-            for batch in _batches(tensors, self.init_info.load_batch_bytes):
+            for batch in mx_refit.batches(tensors, self.init_info.load_batch_bytes):
                 # Through the hook so mx-refit wrappers (timing, tracing) see every batch.
                 self._hooks.load_weights(self.model, batch)
                 done += len(batch)

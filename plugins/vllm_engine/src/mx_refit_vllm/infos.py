@@ -4,7 +4,8 @@ Both travel as plain JSON (vLLM's HTTP routes, Ray, Dynamo's ``/engine/<route>``
 every field is a str, int, float, bool or None, and both validate themselves on construction
 with messages that name the field and the value. vLLM's ``parse_init_info`` /
 ``parse_update_info`` turn unknown or missing keys into ``ValueError``; the checks here add
-types and ranges (:class:`mx_refit.errors.InvalidArgument`, also a ``ValueError``).
+types and ranges (:class:`mx_refit.errors.InvalidArgument`, also a ``ValueError``): the core's
+checks and defaults (``mx_refit.config``), the ones ``weight_sync`` and ``Receiver`` use.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from mx_refit.config import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_LOAD_BATCH_BYTES,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    check_count,
+    check_flag,
+    check_name,
+    check_seconds,
+)
 from mx_refit.errors import InvalidArgument
 
 __all__ = ["MxInitInfo", "MxUpdateInfo"]
@@ -22,30 +32,7 @@ __all__ = ["MxInitInfo", "MxUpdateInfo"]
 def _check_str(cls: str, field: str, value: Any, *, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidArgument(f"{cls}.{field}: expected a non-empty string, got {value!r}")
-
-
-def _check_number(
-    cls: str,
-    field: str,
-    value: Any,
-    *,
-    minimum: float,
-    integer: bool = False,
-    optional: bool = False,
-    strict: bool = False,
-) -> None:
-    if value is None and optional:
-        return
-    kinds = (int,) if integer else (int, float)
-    # bool is an int subclass; JSON `true` must not pass as a timeout or a version.
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        kind = "an integer" if integer else "a number"
-        raise InvalidArgument(f"{cls}.{field}: expected {kind}, got {value!r}")
-    if value < minimum or (strict and value == minimum):
-        op = ">" if strict else ">="
-        raise InvalidArgument(f"{cls}.{field}: must be {op} {minimum}, got {value!r}")
+    check_name(value, f"{cls}.{field}", blank_ok=False)
 
 
 def _check_address(cls: str, field: str, value: Any) -> None:
@@ -79,10 +66,10 @@ class MxInitInfo(WeightTransferInitInfo):
     model: str
     token: str | None = None
     arena_device: str | None = None
-    lease_ttl_s: float = 60.0
-    transfer_timeout_s: float = 300.0
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S  # the core's (weight_sync) default
     ready_timeout_s: float = 0.0
-    load_batch_bytes: int = 512 << 20
+    load_batch_bytes: int = DEFAULT_LOAD_BATCH_BYTES
     strict_names: bool = True
     checksums: bool = False
 
@@ -92,13 +79,12 @@ class MxInitInfo(WeightTransferInitInfo):
         _check_str(name, "model", self.model)
         _check_str(name, "token", self.token, optional=True)
         _check_str(name, "arena_device", self.arena_device, optional=True)
-        _check_number(name, "lease_ttl_s", self.lease_ttl_s, minimum=0, strict=True)
-        _check_number(name, "transfer_timeout_s", self.transfer_timeout_s, minimum=0, strict=True)
-        _check_number(name, "ready_timeout_s", self.ready_timeout_s, minimum=0)
-        _check_number(name, "load_batch_bytes", self.load_batch_bytes, minimum=1, integer=True)
-        for flag in ("strict_names", "checksums"):
-            if not isinstance(getattr(self, flag), bool):
-                raise InvalidArgument(f"{name}.{flag}: expected a bool, got {getattr(self, flag)!r}")
+        check_seconds(self.lease_ttl_s, f"{name}.lease_ttl_s")
+        check_seconds(self.transfer_timeout_s, f"{name}.transfer_timeout_s")
+        check_seconds(self.ready_timeout_s, f"{name}.ready_timeout_s", allow_zero=True)
+        check_count(self.load_batch_bytes, f"{name}.load_batch_bytes", minimum=1)
+        check_flag(self.strict_names, f"{name}.strict_names")
+        check_flag(self.checksums, f"{name}.checksums")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-safe payload for ``init_weight_transfer_engine``."""
@@ -125,9 +111,11 @@ class MxUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        _check_number(name, "version", self.version, minimum=0, integer=True, optional=True)
-        _check_number(name, "min_version", self.min_version, minimum=0, integer=True)
-        _check_number(name, "wait_s", self.wait_s, minimum=0, optional=True)
+        if self.version is not None:
+            check_count(self.version, f"{name}.version", minimum=0)
+        check_count(self.min_version, f"{name}.min_version", minimum=0)
+        if self.wait_s is not None:
+            check_seconds(self.wait_s, f"{name}.wait_s", allow_zero=True)
         _check_str(name, "model", self.model, optional=True)
         if self.version is not None and self.min_version > self.version:
             raise InvalidArgument(
