@@ -81,3 +81,17 @@ def test_batches_group_tensors_by_bytes_in_order() -> None:
     assert [pair for batch in grouped for pair in batch] == tensors  # nothing dropped, nothing reordered
     assert list(batches([], 16)) == []
     assert [len(b) for b in batches(tensors, 1 << 30)] == [6]
+
+
+def test_the_kernel_imports_only_the_errors() -> None:
+    """checks.py sits beneath config, the constructors and transport: it may lean on nothing else."""
+    import ast
+    from pathlib import Path
+
+    import mx_refit.checks
+
+    tree = ast.parse(Path(mx_refit.checks.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    assert {m for m in imported if m and m.startswith("mx_refit")} == {"mx_refit.errors"}
