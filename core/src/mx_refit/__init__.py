@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-import pluggy
-
 from mx_refit._version import __version__
 from mx_refit.errors import (
     ChecksumMismatch,
@@ -30,6 +28,7 @@ from mx_refit.errors import (
     Unauthenticated,
     Unavailable,
 )
+from mx_refit.hookspecs import hookimpl
 from mx_refit.types import (
     MemType,
     MeshPosition,
@@ -44,9 +43,6 @@ from mx_refit.types import (
     VersionInfo,
     VersionState,
 )
-
-hookimpl = pluggy.HookimplMarker("mx_refit")
-"""Marker for plugin hook implementations: ``@mx_refit.hookimpl``."""
 
 if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.api import Catalog

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from mx_refit import hookimpl
+from mx_refit.hookspecs import hookimpl
 from mx_refit.types import PublishedTensor, TargetLayout
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,6 +1,7 @@
 """Hook specifications: the contract between the mx-refit core and its plugins.
 
 Framework plugins (NeMo RL, Dynamo, vLLM, Megatron) implement these with ``@mx_refit.hookimpl``
+(:data:`hookimpl`, defined here next to the specs and re-exported from the package root)
 and are found through the ``mx_refit`` entry-point group. The core calls them only through the
 typed facade :class:`mx_refit.plugins.Hooks`; nothing else touches ``pm.hook``.
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover - types only
 PROJECT_NAME = "mx_refit"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Marker for plugin hook implementations: ``@mx_refit.hookimpl`` (the same object)."""
 
 
 class RegisterRoleOverride(Protocol):

@@ -20,10 +20,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import pluggy
-
 from mx_refit.errors import InvalidArgument, require
-from mx_refit.hookspecs import PROJECT_NAME
+from mx_refit.hookspecs import hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.service import CatalogService
@@ -32,7 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["METRICS_PORT_ENV", "RefitMetrics", "require_prometheus", "serve_catalog_metrics", "start_metrics_server"]
 
 log = logging.getLogger(__name__)
-hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 METRICS_PORT_ENV = "MX_REFIT_METRICS_PORT"
 

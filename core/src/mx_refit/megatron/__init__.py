@@ -2,7 +2,71 @@
 build the sidecar receivers plan from, and the built-in Megatron plugin that wires it into the
 hooks (:mod:`mx_refit.megatron.plugin`).
 
-Public runtime helpers (``BridgedModel``, ``mesh_position``, ``is_publishing_rank``) live in
-:mod:`mx_refit.megatron.parallel` and are re-exported from the package root. Import-light:
-megatron and torch load on first use.
+The helpers a Megatron training loop uses are reachable from here (``from mx_refit.megatron
+import BridgedModel, mesh_position, is_publishing_rank, ParallelContext, ...``); the three a
+publishing loop needs most (``BridgedModel``, ``mesh_position``, ``is_publishing_rank``) are
+also on the package root. Import-light: these load on first access (PEP 562), and megatron and
+torch only when a function needs them.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.megatron.classify import ClassifiedParam, classify_model
+    from mx_refit.megatron.collect import collect_for_publish, collect_megatron_tensors
+    from mx_refit.megatron.parallel import (
+        BridgedModel,
+        ParallelContext,
+        innermost_module,
+        is_publishing_rank,
+        mesh_position,
+        unwrap_model,
+    )
+    from mx_refit.megatron.sidecar import build_sidecar, conversion_tasks
+
+_LAZY = {
+    "BridgedModel": "mx_refit.megatron.parallel",
+    "ClassifiedParam": "mx_refit.megatron.classify",
+    "ParallelContext": "mx_refit.megatron.parallel",
+    "build_sidecar": "mx_refit.megatron.sidecar",
+    "classify_model": "mx_refit.megatron.classify",
+    "collect_for_publish": "mx_refit.megatron.collect",
+    "collect_megatron_tensors": "mx_refit.megatron.collect",
+    "conversion_tasks": "mx_refit.megatron.sidecar",
+    "innermost_module": "mx_refit.megatron.parallel",
+    "is_publishing_rank": "mx_refit.megatron.parallel",
+    "mesh_position": "mx_refit.megatron.parallel",
+    "unwrap_model": "mx_refit.megatron.parallel",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+__all__ = [
+    "BridgedModel",
+    "ClassifiedParam",
+    "ParallelContext",
+    "build_sidecar",
+    "classify_model",
+    "collect_for_publish",
+    "collect_megatron_tensors",
+    "conversion_tasks",
+    "innermost_module",
+    "is_publishing_rank",
+    "mesh_position",
+    "unwrap_model",
+]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mx_refit import hookimpl
+from mx_refit.hookspecs import hookimpl
 from mx_refit.megatron.parallel import BridgedModel
 
 if TYPE_CHECKING:  # pragma: no cover
