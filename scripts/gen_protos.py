@@ -10,9 +10,11 @@ venv (``${MX_REFIT_CACHE:-~/.cache/mx-refit}/venv-protoc-<version>``) and runs i
 ``python scripts/gen_protos.py`` gives the same bytes on every machine.
 
 The pin sets the runtime floors: generated modules refuse to import under a grpcio older than the
-grpcio-tools that wrote them, or a protobuf older than its bundled protoc. 1.82.1 (protobuf
-7.35.1) keeps ``mx-refit`` installable next to NeMo RL's lock (grpcio 1.82.1); pyproject.toml's
-floors and requirements/floors.txt must move with it.
+grpcio-tools that wrote them, or a protobuf older than its bundled protoc. 1.74.0 writes protobuf
+6.31.1 code, which protobuf 6.31+ and every 7.x runtime load (a runtime only refuses gencode
+newer than itself), so ``mx-refit`` installs next to ModelExpress (``protobuf<7``) and next to
+NeMo RL's lock (grpcio 1.82.1, protobuf 7); pyproject.toml's floors and
+requirements/floors*.txt must move with it.
 
 ``protoc`` runs with ``-I core/src`` so that generated imports are absolute
 (``from mx_refit.catalog.v1 import catalog_pb2``) and the output lands next to the ``.proto``.
@@ -32,7 +34,7 @@ import tempfile
 import venv
 from pathlib import Path
 
-GRPC_TOOLS = "1.82.1"
+GRPC_TOOLS = "1.74.0"
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "core" / "src"
 PROTOS = ("mx_refit/catalog/v1/catalog.proto",)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,11 +15,20 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gen_protos.py"
 
 
-def run_python(*args: str) -> subprocess.CompletedProcess[str]:
+def run_python(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "core" / "src"))
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=60, check=False
-    )
+    return subprocess.run([python, *args], capture_output=True, text=True, env=env, timeout=60, check=False)
+
+
+def pinned_tools_python() -> str:
+    """This Python when it has the pinned grpcio-tools, else the script's own cached venv's."""
+    spec = importlib.util.spec_from_file_location("gen_protos_pin", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    if script._installed_tools() == script.GRPC_TOOLS:
+        return sys.executable
+    return str(script._pinned_tools_python())
 
 
 def test_gen_protos_check_passes_on_the_committed_files() -> None:
@@ -43,7 +53,8 @@ def test_gen_protos_check_detects_a_stale_file(tmp_path: Path) -> None:
         f"pathlib.Path({str(package / 'catalog_pb2.pyi')!r}).unlink()\n"
         "sys.exit(script.main(['--check']))\n"
     )
-    result = run_python("-c", code)
+    # check() imports grpc_tools in-process: run it where the pinned version is installed.
+    result = run_python("-c", code, python=pinned_tools_python())
     assert result.returncode == 1, result.stderr
 
 

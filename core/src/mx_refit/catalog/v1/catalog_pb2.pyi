@@ -126,7 +126,7 @@ class SourceInfo(_message.Message):
     checksums: BlockChecksums
     mirrors: _containers.RepeatedCompositeFieldContainer[Mirror]
     lease_fence_s: float
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: _Optional[bool] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: _Optional[bool] = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: bool = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: bool = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ...) -> None: ...
 
 class BlockChecksums(_message.Message):
     __slots__ = ("block_bytes", "sums")
@@ -213,7 +213,7 @@ class VersionInfo(_message.Message):
     sidecar_omitted: bool
     replicas: _containers.RepeatedCompositeFieldContainer[SourceInfo]
     readers: _containers.ScalarMap[str, int]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ..., sidecar_digest: _Optional[str] = ..., sidecar_omitted: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., readers: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., expected_sources: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., sidecar_json: _Optional[str] = ..., sidecar_digest: _Optional[str] = ..., sidecar_omitted: bool = ..., replicas: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ..., readers: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class VersionSummary(_message.Message):
     __slots__ = ("model", "version", "state", "expected_sources", "registered_sources", "ready_sources", "leases", "expected_readers", "completed_reads")
@@ -393,7 +393,7 @@ class ReleaseLeaseRequest(_message.Message):
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     completed: bool
-    def __init__(self, lease_id: _Optional[str] = ..., completed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., completed: bool = ...) -> None: ...
 
 class ReleaseLeaseReply(_message.Message):
     __slots__ = ()
@@ -427,7 +427,7 @@ class WaitDrainedReply(_message.Message):
     __slots__ = ("drained",)
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     drained: bool
-    def __init__(self, drained: _Optional[bool] = ...) -> None: ...
+    def __init__(self, drained: bool = ...) -> None: ...
 
 class WaitReadRequest(_message.Message):
     __slots__ = ("model", "version", "timeout_s")
@@ -447,7 +447,7 @@ class WaitReadReply(_message.Message):
     done: bool
     expected_readers: int
     completed_readers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, done: _Optional[bool] = ..., expected_readers: _Optional[int] = ..., completed_readers: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, done: bool = ..., expected_readers: _Optional[int] = ..., completed_readers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterReplicaRequest(_message.Message):
     __slots__ = ("model", "version", "source", "ttl_s")
@@ -481,4 +481,4 @@ class WithdrawReplicaReply(_message.Message):
     __slots__ = ("drained",)
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     drained: bool
-    def __init__(self, drained: _Optional[bool] = ...) -> None: ...
+    def __init__(self, drained: bool = ...) -> None: ...

@@ -5,7 +5,7 @@ import warnings
 
 from mx_refit.catalog.v1 import catalog_pb2 as mx__refit_dot_catalog_dot_v1_dot_catalog__pb2
 
-GRPC_GENERATED_VERSION = '1.82.1'
+GRPC_GENERATED_VERSION = '1.74.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in mx_refit/catalog/v1/catalog_pb2_grpc.py depends on'
+        + f' but the generated code in mx_refit/catalog/v1/catalog_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class CatalogServiceStub:
+class CatalogServiceStub(object):
     """The catalog service. One service per versioned package.
     """
 
@@ -102,7 +102,7 @@ class CatalogServiceStub:
                 _registered_method=True)
 
 
-class CatalogServiceServicer:
+class CatalogServiceServicer(object):
     """The catalog service. One service per versioned package.
     """
 
@@ -292,7 +292,7 @@ def add_CatalogServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class CatalogService:
+class CatalogService(object):
     """The catalog service. One service per versioned package.
     """
 
