@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mx_refit.errors import InvalidArgument
-from mx_refit_dynamo import DynamoRefitClient, DynamoWorker, parse_workers
-from mx_refit_dynamo.discovery import REQUIRED_ROUTES
+from mx_refit.errors import InvalidArgument, Unavailable
+from mx_refit_dynamo import DynamoRefitClient, DynamoWorker, fetch_workers, parse_workers
+from mx_refit_dynamo.discovery import REQUIRED_ROUTES, rl_base_url
 
 ROUTES = sorted([*REQUIRED_ROUTES, "liveness_probe", "flush_cache", "get_weight_version"])
 
@@ -95,3 +95,50 @@ def test_an_unreachable_worker_fails_by_name_within_its_timeout() -> None:
         client.init_weight_transfer_engine({"catalog": "127.0.0.1:1", "model": "m"})
     with pytest.raises(InvalidArgument, match="were never initialised"):
         client.start_weight_update()
+
+
+def test_a_per_rank_list_is_refused_when_a_world_size_is_unknown() -> None:
+    # A bare URL, or a discovery row without world_size, has no known rank count: splitting a
+    # per-rank list by a guessed 1 would hand TP>1 workers the wrong ranks' entries.
+    row_without_size = row(1)
+    del row_without_size["world_size"]
+    (discovered,) = parse_workers({"workers": [row_without_size]})
+    assert discovered.world_size is None
+    for workers in (["http://h:1"], [discovered], [DynamoWorker.from_url("http://h:2", world_size=2), "http://h:3"]):
+        client = DynamoRefitClient(workers)
+        with pytest.raises(InvalidArgument, match=r"update_info: a per-rank list needs each worker's world_size"):
+            client._split([{"version": 1}] * 3)
+        # One dict for every rank needs no world size.
+        assert all(v == {"version": 1} for v in client._split({"version": 1}).values())
+
+
+def test_the_frontend_url_defaults_to_the_rl_port() -> None:
+    assert rl_base_url("http://frontend") == "http://frontend:8001"
+    assert rl_base_url("http://frontend/v1/") == "http://frontend:8001"
+    assert rl_base_url("https://frontend:9001/") == "https://frontend:9001"
+    for bad in ("frontend:8001", "http://frontend:8001/v1/rl", "http://frontend:8001?x=1"):
+        with pytest.raises(InvalidArgument, match="frontend_url: .*DYN_RL_PORT"):
+            rl_base_url(bad)
+
+
+def test_a_404_names_the_rl_port() -> None:
+    # A real HTTP server that serves no /v1/rl/* (as Dynamo's OpenAI HTTP port does not).
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(Unavailable, match=r"HTTP 404 \(/v1/rl/\* is served only on the frontend's RL port, DYN_RL_PORT"):
+            fetch_workers(url, timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()

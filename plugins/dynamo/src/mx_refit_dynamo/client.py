@@ -144,7 +144,10 @@ class DynamoRefitClient:
         **kwargs: Any,
     ) -> DynamoRefitClient:
         """Discover the workers from the frontend's ``GET /v1/rl/workers`` (Dynamo started with
-        ``--enable-rl``/``DYN_ENABLE_RL``), optionally only one component or model."""
+        ``--enable-rl``/``DYN_ENABLE_RL``), optionally only one component or model.
+
+        ``frontend_url`` is the frontend's RL server, ``http://host:DYN_RL_PORT`` (8001 unless
+        set; a URL without a port gets 8001), not its OpenAI HTTP port (8000)."""
         workers = fetch_workers(
             frontend_url,
             component=component,
@@ -343,16 +346,24 @@ class DynamoRefitClient:
             raise InvalidArgument(
                 f"update_info: expected a dict or a per-rank list, got {type(update_info).__name__}"
             )
-        total = sum(w.world_size for w in self.workers)
+        unknown = [w.system_url for w in self.workers if w.world_size is None]
+        if unknown:
+            raise InvalidArgument(
+                f"update_info: a per-rank list needs each worker's world_size, unknown for {unknown}; "
+                "give DynamoWorker.from_url(url, world_size=N), discover the workers with "
+                "DynamoRefitClient.from_frontend, or pass one dict for all ranks"
+            )
+        sizes = [w.world_size or 0 for w in self.workers]
+        total = sum(sizes)
         if len(update_info) != total:
             raise InvalidArgument(
-                f"update_info: a per-rank list needs {total} entries (world sizes "
-                f"{[w.world_size for w in self.workers]}), got {len(update_info)}"
+                f"update_info: a per-rank list needs {total} entries (world sizes {sizes}), "
+                f"got {len(update_info)}"
             )
         out, offset = {}, 0
-        for w in self.workers:
-            out[w.system_url] = update_info[offset : offset + w.world_size]
-            offset += w.world_size
+        for w, size in zip(self.workers, sizes, strict=True):
+            out[w.system_url] = update_info[offset : offset + size]
+            offset += size
         return out
 
     def _abort(self, step: str, failures: dict[str, str]) -> None:

@@ -8,6 +8,9 @@ its ``system_url`` (the ``DYN_SYSTEM_PORT`` server that hosts ``/engine/*``), ``
 ``world_size`` and ``model``; a worker that did not answer carries ``error`` instead. Rows
 with ``admin_base_url`` are sidecar engines with another admin contract, not Python vLLM
 workers. Only the standard library is used.
+
+The frontend serves ``/v1/rl/*`` on its RL port only (``DYN_RL_PORT``, default 8001), not on
+its OpenAI HTTP port (8000): a frontend URL without a port gets 8001, and a 404 says so.
 """
 
 from __future__ import annotations
@@ -22,7 +25,17 @@ from urllib.parse import urlsplit
 
 from mx_refit.errors import InvalidArgument, Unavailable
 
-__all__ = ["REQUIRED_ROUTES", "DynamoWorker", "fetch_workers", "parse_workers"]
+__all__ = [
+    "DEFAULT_RL_PORT",
+    "REQUIRED_ROUTES",
+    "DynamoWorker",
+    "fetch_workers",
+    "parse_workers",
+    "rl_base_url",
+]
+
+# Dynamo's frontend mounts /v1/rl/* on a port of its own (DYN_RL_PORT), 8001 unless set.
+DEFAULT_RL_PORT = 8001
 
 # The engine routes a refit needs on every worker.
 REQUIRED_ROUTES = (
@@ -35,14 +48,18 @@ REQUIRED_ROUTES = (
 
 @dataclass(frozen=True)
 class DynamoWorker:
-    """One Dynamo worker: its system server and how many vLLM ranks sit behind it."""
+    """One Dynamo worker: its system server and how many vLLM ranks sit behind it.
+
+    ``world_size`` is ``None`` when unknown (a bare URL, or a discovery row without it): a
+    single update dict works then, a per-rank list is refused rather than guessed.
+    """
 
     system_url: str
-    world_size: int = 1
+    world_size: int | None = None
     name: str = ""  # "namespace.component#instance" when discovered
 
     @classmethod
-    def from_url(cls, url: str, *, world_size: int = 1, name: str = "") -> DynamoWorker:
+    def from_url(cls, url: str, *, world_size: int | None = None, name: str = "") -> DynamoWorker:
         """Validate ``http(s)://host:port`` (a trailing ``/`` or ``/engine`` is dropped)."""
         if not isinstance(url, str):
             raise InvalidArgument(f"system_url: expected 'http://host:port', got {url!r}")
@@ -52,7 +69,8 @@ class DynamoWorker:
         path = parts.path.rstrip("/").removesuffix("/engine")
         if path:
             raise InvalidArgument(f"system_url: {url!r} has a path {parts.path!r}; give the server root")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        bad_size = isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+        if world_size is not None and bad_size:
             raise InvalidArgument(f"world_size: expected an integer >= 1 for {url}, got {world_size!r}")
         return cls(f"{parts.scheme}://{parts.netloc}", world_size, name)
 
@@ -101,7 +119,7 @@ def parse_workers(
         if missing:
             problems.append(f"{name}: lacks engine routes {missing} (has {sorted(routes)})")
             continue
-        world_size = row.get("world_size", 1)
+        world_size = row.get("world_size")  # None: unknown, never guessed
         try:
             workers.append(DynamoWorker.from_url(url, world_size=world_size, name=name))
         except InvalidArgument as exc:
@@ -116,6 +134,23 @@ def parse_workers(
     return workers
 
 
+def rl_base_url(frontend_url: str) -> str:
+    """``http(s)://host:port`` of the frontend's RL server: a trailing ``/`` or ``/v1`` is
+    dropped, and a URL without a port gets :data:`DEFAULT_RL_PORT` (8001, Dynamo's
+    ``DYN_RL_PORT`` default), since ``/v1/rl/*`` is not served on the HTTP port."""
+    if not isinstance(frontend_url, str):
+        raise InvalidArgument(f"frontend_url: expected 'http://host:{DEFAULT_RL_PORT}', got {frontend_url!r}")
+    parts = urlsplit(frontend_url.strip())
+    path = parts.path.rstrip("/").removesuffix("/v1")
+    if parts.scheme not in ("http", "https") or not parts.hostname or path or parts.query or parts.fragment:
+        raise InvalidArgument(
+            f"frontend_url: expected 'http://host:{DEFAULT_RL_PORT}' (the frontend's DYN_RL_PORT), "
+            f"got {frontend_url!r}"
+        )
+    netloc = parts.netloc if parts.port is not None else f"{parts.netloc}:{DEFAULT_RL_PORT}"
+    return f"{parts.scheme}://{netloc}"
+
+
 def fetch_workers(
     frontend_url: str,
     *,
@@ -124,14 +159,23 @@ def fetch_workers(
     timeout_s: float = 30.0,
     headers: Mapping[str, str] | None = None,
 ) -> list[DynamoWorker]:
-    """``GET {frontend_url}/v1/rl/workers`` and :func:`parse_workers` the reply."""
-    base = frontend_url.rstrip("/").removesuffix("/v1")
+    """``GET {frontend_url}/v1/rl/workers`` and :func:`parse_workers` the reply.
+
+    ``frontend_url`` is the frontend's RL server (``DYN_RL_PORT``, default 8001; see
+    :func:`rl_base_url`), not its OpenAI HTTP port.
+    """
+    base = rl_base_url(frontend_url)
     request = urllib.request.Request(f"{base}/v1/rl/workers", headers=dict(headers or {}), method="GET")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             body = response.read()
     except urllib.error.HTTPError as exc:
-        hint = " (is the frontend started with --enable-rl / DYN_ENABLE_RL=1?)" if exc.code == 404 else ""
+        hint = (
+            f" (/v1/rl/* is served only on the frontend's RL port, DYN_RL_PORT, default {DEFAULT_RL_PORT},"
+            " not on its HTTP port, and only with --enable-rl / DYN_ENABLE_RL=1)"
+            if exc.code == 404
+            else ""
+        )
         raise Unavailable(f"GET {base}/v1/rl/workers: HTTP {exc.code}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise Unavailable(f"GET {base}/v1/rl/workers: {getattr(exc, 'reason', exc)}") from None
