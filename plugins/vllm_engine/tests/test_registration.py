@@ -7,9 +7,13 @@ whose ``weight_transfer`` package cannot be imported, and nothing is imported ah
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
 
 
 def test_entry_points_are_declared() -> None:
@@ -60,10 +64,13 @@ _SCRIPT = textwrap.dedent(
     vllm.plugins.load_general_plugins()
     mx_refit_vllm.register(); mx_refit_vllm.register()
     assert T._registry["mx"]() is Foreign
-    assert any("already registered by another package" in m for m in records), records
+    assert any("already registered by another package" in m and "select it as 'mx_refit'" in m
+               for m in records), records
+    # The alias holds mx-refit's engines on both sides, whoever holds "mx".
+    assert T._registry["mx_refit"]().__name__ == "MxTrainerWeightTransferEngine"
+    assert W._registry["mx_refit"]().__name__ == "MxWeightTransferEngine"
 
     # 4. Registration is lazy: the engine module is imported only when vLLM creates the engine.
-    assert "mx_refit_vllm.engine" not in sys.modules
     cls = W._registry["mx"]()
     assert cls.__module__ == "mx_refit_vllm.engine" and cls.__name__ == "MxWeightTransferEngine"
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -79,3 +86,21 @@ def test_register_is_idempotent_tolerant_and_lazy() -> None:
     assert proc.returncode == 0 and "REGISTRATION-OK" in proc.stdout, (
         proc.stdout[-3000:] + proc.stderr[-3000:]
     )
+
+
+def test_the_trainer_module_names_the_supported_vllm_without_one() -> None:
+    # The core environment has torch and mx-refit but no vLLM: a real install without vLLM.
+    from mx_refit.testing.procs import core_python
+
+    python = core_python()
+    if python is None:
+        pytest.skip("the core venv (no vLLM) is not available; set MX_REFIT_CORE_PYTHON")
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [python, "-c", "import mx_refit_vllm.trainer"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: mx_refit_vllm.trainer needs vLLM >=0.33,<0.34"), proc.stderr[-2000:]
+    assert "vllm is not installed" in last

@@ -17,7 +17,8 @@ may then mutate the published parameters in place.
 
 Pinned to vLLM 0.33's trainer API (``WeightSource.metadata`` as a cached property,
 ``iter_local``/``iter_full``, ``ParamMeta`` placements); vLLM 0.31's different ``WeightSource``
-is not supported.
+is not supported, and importing this module without that API raises one ImportError naming the
+supported range (:data:`mx_refit_vllm.SUPPORTED_VLLM`).
 """
 
 from __future__ import annotations
@@ -28,20 +29,34 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    Replicate,
-    Shard,
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
 
 import mx_refit
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import MeshPosition, PublishedTensor, Role
-from mx_refit_vllm import BACKEND, register
+from mx_refit_vllm import BACKEND, SUPPORTED_VLLM, register
+
+try:
+    from vllm.distributed.weight_transfer.base import (
+        ParamMeta,
+        Replicate,
+        Shard,
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        VLLMWeightSyncClient,
+        WeightSource,
+    )
+except ImportError as exc:  # no vLLM, or one without (or with another) trainer weight-transfer API
+    import importlib.metadata
+
+    try:
+        _installed = f"vllm {importlib.metadata.version('vllm')} is installed"
+    except importlib.metadata.PackageNotFoundError:
+        _installed = "vllm is not installed"
+    raise ImportError(
+        f"mx_refit_vllm.trainer needs vLLM {SUPPORTED_VLLM} (its trainer weight-transfer API); "
+        f"{_installed} ({exc})"
+    ) from exc
+
 from mx_refit_vllm.infos import MxInitInfo, MxUpdateInfo
 
 if TYPE_CHECKING:  # pragma: no cover
