@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.catalog.server import CatalogServer, start_catalog
     from mx_refit.checks import batches
     from mx_refit.config import WeightSyncConfig, load_config
+    from mx_refit.megatron.classify import unsupported_bridge_mappings
     from mx_refit.megatron.parallel import BridgedModel, is_publishing_rank, mesh_position
     from mx_refit.plugins import Hooks
     from mx_refit.publisher import Publisher
@@ -71,6 +72,7 @@ _LAZY = {
     "mesh_position": "mx_refit.megatron.parallel",
     "shared_transport": "mx_refit.transport",
     "start_catalog": "mx_refit.catalog.server",
+    "unsupported_bridge_mappings": "mx_refit.megatron.classify",
 }
 
 
@@ -127,4 +129,5 @@ __all__ = [
     "mesh_position",
     "shared_transport",
     "start_catalog",
+    "unsupported_bridge_mappings",
 ]

@@ -38,6 +38,17 @@ class PolicyRank:
         self.bridged = build_model_from_hf(hf_dir, tp=world)
         (self.chunk,) = self.bridged.model_chunks
         self.worker = MegatronPolicyWorker(rank=rank, model=self.chunk, bridge=self.bridged.bridge, cfg={})
+        self.worker.new_mapping_type = False
+        build_tasks = self.worker._build_refit_conversion_tasks
+
+        def tasks_of_a_new_architecture():
+            # A model bridge of a new architecture registers its own mapping class, as Bridge
+            # 0.7's Qwen3-Next (GDN, QKVG) and Nemotron-H (Mamba) do. Here: a real QKVMapping
+            # subclass, so the export (the fallback's stream) stays byte-identical.
+            tasks = build_tasks()
+            return [_as_new_mapping_type(t) for t in tasks] if self.worker.new_mapping_type else tasks
+
+        self.worker._build_refit_conversion_tasks = tasks_of_a_new_architecture
         bridge_export = self.bridged.bridge.export_hf_weights
         self.export_runs: list[int] = []
 
@@ -71,6 +82,8 @@ class PolicyRank:
                               if options.get("draft") else None)
         worker.cfg = options.get("cfg") or {}
         worker.fp8_cfg = {"fp8_param": True, "fp8_recipe": "blockwise"} if options.get("fp8_param") else {}
+        worker.refit_conversion_tasks = None  # rebuilt by the next prepare_refit_info
+        worker.new_mapping_type = bool(options.get("new_mapping_type"))
 
     def prepare_refit_info(self) -> dict:
         return {n: (tuple(s), str(d)) for n, (s, d) in self.worker.prepare_refit_info().items()}
@@ -123,6 +136,21 @@ def main() -> None:
         "stream_digests": rank.stream_digests,
         "stats": lambda _: rank.stats(),
     }, on_stop=rank.finalize_engine)
+
+
+def _as_new_mapping_type(task):
+    import dataclasses
+
+    from megatron.bridge.models.conversion.param_mapping import QKVMapping
+
+    class NewArchQKVMapping(QKVMapping):
+        pass
+
+    if type(task.mapping) is not QKVMapping:
+        return task
+    mapping = QKVMapping.__new__(NewArchQKVMapping)
+    mapping.__dict__.update(task.mapping.__dict__)
+    return dataclasses.replace(task, mapping=mapping)
 
 
 def _is_checkpoint_engine(engine) -> bool:

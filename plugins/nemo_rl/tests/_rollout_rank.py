@@ -111,6 +111,7 @@ class RolloutProcess:
             "bytes_pulled": None if stats is None else stats.bytes_pulled,
             "version": None if engine is None else engine.version,
             "side": None if engine is None else engine.side,
+            "arena_device": None if engine is None or engine._receiver is None else engine._receiver.device,
             "loaded": getattr(self.worker, "loaded", None),
             "draft": {n: digest(t) for n, t in self.worker.draft_weights.items()},
         }

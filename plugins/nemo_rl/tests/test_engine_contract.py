@@ -42,6 +42,10 @@ def test_class_path_constructs_and_satisfies_the_abc() -> None:
             {"weight_sync": {"nemo_rl": {"engine_by_methd": {}}}},
             r"weight_sync.nemo_rl: unknown keys \['engine_by_methd'\]",
         ),
+        (
+            {"weight_sync": {"nemo_rl": {"arena_device": "host"}}},
+            r"weight_sync.nemo_rl.arena_device: 'host' \(expected one of \['worker', 'gpu', 'cpu'\]\)",
+        ),
     ],
 )
 def test_bad_engine_kwargs_name_the_field(kwargs: dict, message: str) -> None:
@@ -117,6 +121,26 @@ def test_fallback_reasons_follow_the_worker_config() -> None:
     w.fp8_cfg = {"fp8_param": True, "fp8_recipe": "blockwise"}
     reasons = fallback_reasons(w, None)
     assert len(reasons) == 3 and "draft" in reasons[0] and "FP8 KV" in reasons[1] and "FP8 param" in reasons[2]
+    w.cfg = {"quant_cfg": "FP8_DEFAULT_CFG"}
+    assert fallback_reasons(w, None)[0].startswith("ModelOpt quantisation is on (policy.quant_cfg='FP8_DEFAULT_CFG')")
+
+
+def test_the_arena_lives_on_the_workers_device_unless_told_otherwise() -> None:
+    import torch
+
+    from mx_refit_nemo_rl.engine import MxCheckpointEngine
+    from mx_refit_nemo_rl.settings import resolve_arena_device
+
+    assert MxCheckpointEngine(bucket_size=1 << 20, **dump()).arena_device == "worker"
+    # vLLM's GPU worker sets worker.device = torch.device(f"cuda:{i}"), its CPU worker "cpu".
+    assert resolve_arena_device("worker", torch.device("cuda", 3)) == "cuda:3"
+    assert resolve_arena_device("gpu", torch.device("cuda", 1)) == "cuda:1"
+    assert resolve_arena_device("worker", torch.device("cpu")) == "cpu"
+    assert resolve_arena_device("cpu", torch.device("cuda", 3)) == "cpu"
+    with pytest.raises(InvalidArgument, match=r"arena_device: 'gpu', but this vLLM worker runs on 'cpu'"):
+        resolve_arena_device("gpu", torch.device("cpu"))
+    with pytest.raises(InvalidArgument, match=r"arena_device: 'worker', but this vLLM worker's device is unknown"):
+        resolve_arena_device("worker", None)
 
 
 def test_import_is_light() -> None:

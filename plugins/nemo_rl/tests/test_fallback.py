@@ -4,7 +4,11 @@ stream together (loudly) and rank 0 publishes it; the bytes still match.
 - an EAGLE draft model: ``draft.*`` weights, split off by NeMo RL's loading loop;
 - an FP8 KV cache: KV/Q scale tensors (here recorded, not loaded: no vLLM model on CPU has them);
 - FP8 parameters exported with ``build_export_fp8_tasks`` (the decision is tested; real FP8
-  parameters cannot be built on CPU, so the stream carries the standard export).
+  parameters cannot be built on CPU, so the stream carries the standard export);
+- ModelOpt quantisation (``policy.quant_cfg``; the decision and the stream path: ModelOpt's
+  quantizer folding is not installed here, so the stream carries the standard export);
+- a Megatron-Bridge mapping type the classifier does not know (a new architecture's bridge
+  subclassing a real Bridge mapping): decided before the generator is touched.
 
 The rollout records what NeMo RL's loading loop is handed instead of loading it into vLLM: with
 Megatron-Bridge 0.6.2 the export of a TP-padded vocabulary keeps the padding rows (132 for 131),
@@ -13,6 +17,7 @@ which vLLM's embedding loader rejects, so "the bytes match" is checked against t
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -83,4 +88,26 @@ def test_fp8_export_tasks(make_job, configured, ckpts: dict[int, Path]) -> None:
     job.sync.init_communicator()
     stats = fallback_sync(job, ckpts, 4)
     assert any("build_export_fp8_tasks" in r for r in stats[0]["last_send"]["reasons"])
+    received_matches_stream(job)
+
+
+def test_modelopt_quantisation(make_job, configured, ckpts: dict[int, Path]) -> None:
+    configured({"cfg": {"quant_cfg": "NVFP4_DEFAULT_CFG"}})
+    job = make_job("tp1")
+    job.sync.init_communicator()
+    stats = fallback_sync(job, ckpts, 5)
+    assert any("ModelOpt quantisation is on (policy.quant_cfg='NVFP4_DEFAULT_CFG')" in r
+               for r in stats[0]["last_send"]["reasons"])
+    received_matches_stream(job)
+
+
+def test_a_mapping_type_the_classifier_does_not_know(make_job, configured, ckpts: dict[int, Path]) -> None:
+    configured({"new_mapping_type": True})
+    job = make_job("tp1")
+    job.sync.init_communicator()
+    stats = fallback_sync(job, ckpts, 1)
+    (reason,) = stats[0]["last_send"]["reasons"]
+    assert re.match(r"Megatron-Bridge mapping NewArchQKVMapping has no mx-refit role \(\d+ parameters, e\.g\. "
+                    r"decoder\.layers\.0\.self_attention\.linear_qkv\.", reason), reason
+    assert stats[1]["last_send"]["reasons"] == [reason]  # every rank took the same path
     received_matches_stream(job)

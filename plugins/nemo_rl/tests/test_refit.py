@@ -49,6 +49,7 @@ def test_tp2_trainer_to_vllm_tp1(make_job, ckpts: dict[int, Path]) -> None:
     (rollout,) = job.rollout_stats()
     assert rollout["new_registrations"] == 0 and rollout["version"] == 2
     assert rollout["side"] == "rollout" and rollout["same_agent"] and rollout["agent_created_before_init"]
+    assert rollout["arena_device"] == "cpu"  # the recipe's arena_device: worker, on vLLM's CPU device
     assert rollout["loaded"]["tensors"] > 0
 
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "BRIDGE_MAPPINGS_WITH_ROLES",
     "BridgeKind",
     "ClassificationError",
     "ClassifiedParam",
@@ -45,6 +46,7 @@ __all__ = [
     "classify_model",
     "role_shard_axis",
     "strip_wrapper_prefix",
+    "unsupported_bridge_mappings",
 ]
 
 
@@ -156,6 +158,36 @@ def _is_gated_fc1(param: Any, module: Any) -> bool:
     if getattr(param, "partition_stride", 1) == 2:  # megatron builds SwiGLU fc1 with stride 2
         return True
     return bool(getattr(getattr(module, "config", None), "gated_linear_unit", False))
+
+
+# Megatron-Bridge mapping classes (by name) that ``_role_from_bridge`` gives a role without
+# parallelism detection; AutoMapping and its subclasses are decided by their detected kind.
+BRIDGE_MAPPINGS_WITH_ROLES = frozenset({
+    "QKVMapping", "GatedMLPMapping", "FusedGatedExpertMapping", "ReplicatedMapping", "DirectMapping",
+    "ColumnParallelMapping", "RowParallelMapping",
+})
+
+
+def unsupported_bridge_mappings(tasks: Any) -> dict[str, list[str]]:
+    """``{mapping class: [Megatron parameter names]}`` of Bridge conversion tasks that the
+    classifier has no role for (Bridge 0.7's GDN, Mamba and QKVG mappings, a new model's own).
+
+    Every task counts, those of other pipeline stages included, so every rank that holds the
+    same task list reaches the same answer without touching a parameter. Pure: no collective,
+    no export. Role overrides are not consulted (a caller that registered some may still
+    classify such a model).
+    """
+    unsupported: dict[str, list[str]] = {}
+    for task in tasks or ():
+        mapping = getattr(task, "mapping", None)
+        if mapping is None:
+            continue
+        name = type(mapping).__name__
+        if name in BRIDGE_MAPPINGS_WITH_ROLES or hasattr(mapping, "_detect_parallelism_type"):
+            continue
+        param = getattr(task, "global_param_name", None) or getattr(mapping, "megatron_param", "?")
+        unsupported.setdefault(name, []).append(strip_wrapper_prefix(str(param)))
+    return unsupported
 
 
 def _role_from_bridge(kind: BridgeKind, *, ndim: int, is_expert: bool, module_class: str,

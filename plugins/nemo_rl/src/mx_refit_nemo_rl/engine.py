@@ -9,11 +9,14 @@ and waits for both (``:209-245``). This engine:
   conversion on the trainer) and publishes the rank's live Megatron shards in place, with roles
   and sidecar, from the worker's cached Bridge conversion tasks. The previous version is retired
   at the next send: NeMo RL's own barrier (it waits for every vLLM worker's load) guarantees
-  nobody reads it any more. When the export carries what shards do not (see ``fallback.py``),
-  every rank consumes the stream instead and rank 0 publishes whole HF tensors, loudly.
+  nobody reads it any more. When the export carries what shards do not, or the shards are not
+  the weights to load (quantisation) or cannot be classified (see ``fallback.py``), every rank
+  decides so before touching the generator, consumes the stream instead, and rank 0 publishes
+  whole HF tensors, loudly.
 - **rollout side**: each vLLM worker pulls whole HF tensors (vLLM's loaders narrow them to the
-  rank), EP-filtered where vLLM places experts linearly, and yields them in batches of
-  ``bucket_size`` bytes to NeMo RL's loading loop.
+  rank) into a receive arena on its own device (``weight_sync.nemo_rl.arena_device``),
+  EP-filtered where vLLM places experts linearly, and yields them in batches of ``bucket_size``
+  bytes to NeMo RL's loading loop.
 
 The catalog is either standalone (``weight_sync.catalog.mode: standalone``) or embedded in policy
 rank 0, whose address travels to every worker in the ``prepare()`` metadata NeMo RL exchanges.
@@ -83,6 +86,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self.bucket_size = settings.bucket_size
         self.release_after_refit = settings.release_after_refit
         self.config = settings.config
+        self.arena_device = settings.arena_device
         self.side: str | None = None
         self.policy_worker: Any = owners.find_in_stack(skip=1)
         self.version = 0  # last version sent (policy) or received (rollout); survives finalize
@@ -140,7 +144,8 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
     ) -> None:
         """Build this vLLM worker's receiver: whole HF tensors, EP-filtered."""
         import mx_refit
-        from mx_refit_nemo_rl.rollout import target_layout
+        from mx_refit_nemo_rl.rollout import target_layout, worker_device
+        from mx_refit_nemo_rl.settings import resolve_arena_device
 
         self._require_prepared("init_rollout_process_group")
         self.side = ROLLOUT
@@ -152,6 +157,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
                 catalog=self._address,
                 transport=self._transport,
                 load_batch_bytes=self.bucket_size,
+                device=resolve_arena_device(self.arena_device, worker_device(owners.rollout_worker())),
             )
 
     def get_target_weight_layout(self) -> None:
@@ -161,11 +167,20 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         """Publish this rank's shards; the export generator is closed unstarted (or, in the
-        fallback, consumed by every rank together)."""
+        fallback, consumed by every rank together).
+
+        The fallback is decided before the generator is touched, from the worker's config and
+        its conversion tasks, and agreed over the policy ranks: a rank that closed the export
+        while another consumed it would leave the export's collectives waiting forever.
+        """
         found = owners.from_weights(weights)
         if found is None and owners.is_policy_worker(self.policy_worker):
             found = owners.PolicyOwner(self.policy_worker, "stack")
-        reasons = fallback_reasons(found.worker, found.kv_scales) if found is not None else []
+        tasks = None
+        reasons: list[str] = []
+        if found is not None:
+            tasks = _conversion_tasks(found.worker)
+            reasons = _agreed_over_ranks(fallback_reasons(found.worker, found.kv_scales, tasks))
         if not reasons:
             _close(weights)  # before anything can raise: a rank that started it would deadlock
         if found is None:
@@ -180,7 +195,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         if reasons:
             self.last_send = self._send_hf_stream(weights, reasons, found.strategy)
         else:
-            self.last_send = self._send_native(found.worker, found.strategy)
+            self.last_send = self._send_native(found.worker, found.strategy, tasks)
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Pull the next version and yield it in batches of at most ``bucket_size`` bytes."""
@@ -204,12 +219,11 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self._prepared = False
 
     # -- policy side --------------------------------------------------------------------------
-    def _send_native(self, worker: Any, strategy: str) -> SendReport:
-
+    def _send_native(self, worker: Any, strategy: str, tasks: list[Any] | None) -> SendReport:
         report = SendReport(self.version, "native", strategy, published=self._publisher is not None)
         if self._publisher is None:
             return report  # another data-parallel replica publishes
-        model = self._bridged_model(worker)
+        model = self._bridged_model(worker, tasks)
         self._retire_previous()
         before = self._transport.registrations
         self._publisher.publish(self.version, model=model)
@@ -217,18 +231,16 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self._retire = (self._publisher, self.version)
         return report
 
-    def _bridged_model(self, worker: Any) -> Any:
+    def _bridged_model(self, worker: Any, tasks: list[Any] | None) -> Any:
         """The worker's model as the core's ``BridgedModel``, kept while the worker's model and
-        cached tasks are the same objects (the plugin then reuses what it derived from them)."""
+        conversion tasks are the same objects (the plugin then reuses what it derived from them)."""
         import mx_refit
 
-        tasks = getattr(worker, "refit_conversion_tasks", None)
         key = (id(worker.model), id(tasks))
         if self._bridged is None or self._bridged[0] != key:
             bridge = worker.megatron_bridge
-            model = mx_refit.BridgedModel(
-                bridge, [worker.model], bridge.hf_pretrained.config, conversion_tasks=_cached_tasks(worker)
-            )
+            live = None if tasks is None else [task for task in tasks if task is not None]
+            model = mx_refit.BridgedModel(bridge, [worker.model], bridge.hf_pretrained.config, conversion_tasks=live)
             self._bridged = (key, model)
         return self._bridged[1]
 
@@ -339,8 +351,29 @@ def _close(weights: Any) -> None:
             close()
 
 
-def _cached_tasks(worker: Any) -> list[Any] | None:
-    """The worker's cached conversion tasks (``megatron_policy_worker.py:2297``), ``None`` entries
-    dropped as ``_build_refit_conversion_tasks`` does (``:2277-2281``)."""
+def _conversion_tasks(worker: Any) -> list[Any] | None:
+    """The worker's cached conversion tasks (``megatron_policy_worker.py:2297``, set by
+    ``prepare_refit_info``), else built as NeMo RL builds them (``:2265-2281``; a PP collective,
+    run by every policy rank in the same ``send_weights``) and cached the same way. ``None``
+    only for a worker that can do neither."""
     tasks = getattr(worker, "refit_conversion_tasks", None)
-    return None if tasks is None else [task for task in tasks if task is not None]
+    if tasks is None:
+        build = getattr(worker, "_build_refit_conversion_tasks", None)
+        if callable(build):
+            tasks = worker.refit_conversion_tasks = build()
+    return tasks
+
+
+def _agreed_over_ranks(reasons: list[str]) -> list[str]:
+    """The union of every policy rank's fallback reasons (in rank order), so all ranks take the
+    same path; a rank's own reasons when torch.distributed is not initialised."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return reasons
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, reasons)
+    union: list[str] = []
+    for rank_reasons in gathered:
+        union.extend(r for r in rank_reasons or () if r not in union)
+    return union

@@ -8,9 +8,18 @@
 - training keeps FP8 parameters: the tasks come from Bridge's ``build_export_fp8_tasks``
   (``:2273-2276``), FP8 data plus ``*_scale_inv`` pairs the native-shard classifier does not know.
 
-Every condition derives from the worker's config, so every policy rank reaches the same answer
-and they all consume the stream together (the export runs TP/PP/EP collectives). Rank 0 stages
-the exported tensors in buffers kept across refits and publishes them as whole HF tensors.
+and when the live shards are not what the rollout should load, or cannot be classified:
+
+- ModelOpt quantisation (``policy.quant_cfg``): NeMo RL's quantisation worker folds the
+  quantizers into the weights during its export, so the raw shards are the wrong weights;
+- a Megatron-Bridge mapping type the classifier has no role for (Bridge 0.7's GDN, Mamba and
+  QKVG mappings of Qwen3-Next and Nemotron-H, or a new model bridge's own).
+
+Every condition derives from the worker's config or its cached conversion tasks, and the engine
+unions the answer over the policy ranks, so every rank reaches the same decision before any of
+them touches the export generator, and they all consume the stream together (the export runs
+TP/PP/EP collectives). Rank 0 stages the exported tensors in buffers kept across refits and
+publishes them as whole HF tensors.
 """
 
 from __future__ import annotations
@@ -33,9 +42,30 @@ def _fp8_kv_cache(worker: Any) -> bool:
     return str(dtype).startswith("fp8")
 
 
-def fallback_reasons(worker: Any, kv_scales: dict[str, float] | None) -> list[str]:
-    """Why this refit must go through the HF export stream (empty: native shards cover it)."""
+def _quant_cfg(worker: Any) -> Any:
+    cfg = getattr(worker, "cfg", None) or {}
+    return cfg.get("quant_cfg") if hasattr(cfg, "get") else None
+
+
+def fallback_reasons(worker: Any, kv_scales: dict[str, float] | None, tasks: Any = None) -> list[str]:
+    """Why this refit must go through the HF export stream (empty: native shards cover it).
+
+    ``tasks``: the worker's Bridge conversion tasks, checked for mapping types without a role.
+    """
+    import mx_refit
+
     reasons = []
+    quant = _quant_cfg(worker)
+    if quant:
+        reasons.append(
+            f"ModelOpt quantisation is on (policy.quant_cfg={quant!r}): NeMo RL's export folds the "
+            "quantizers into the weights, the live shards are not what vLLM should load"
+        )
+    for mapping, params in sorted(mx_refit.unsupported_bridge_mappings(tasks).items()):
+        reasons.append(
+            f"Megatron-Bridge mapping {mapping} has no mx-refit role ({len(params)} parameters, e.g. "
+            f"{params[0]}): the native-shard classifier and planner do not know its layout"
+        )
     if getattr(worker, "draft_model", None) is not None:
         reasons.append("an EAGLE draft model is attached (draft.* weights)")
     if kv_scales or _fp8_kv_cache(worker):

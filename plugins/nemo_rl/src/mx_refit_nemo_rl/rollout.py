@@ -11,7 +11,19 @@ from typing import Any
 
 from mx_refit.types import TargetLayout
 
-__all__ = ["target_layout"]
+__all__ = ["target_layout", "worker_device"]
+
+
+def worker_device(worker: Any) -> Any:
+    """The device a vLLM worker's model lives on: ``worker.device`` (set by vLLM's GPU and CPU
+    workers in ``init_device``), else its ``vllm_config.device_config`` (``None`` if neither)."""
+    device = getattr(worker, "device", None)
+    if device is not None:
+        return device
+    config = getattr(getattr(worker, "vllm_config", None), "device_config", None)
+    if config is None:
+        return None
+    return getattr(config, "device", None) or getattr(config, "device_type", None)
 
 
 def target_layout(*, full_tensors: bool = True) -> TargetLayout:

@@ -19,7 +19,15 @@ from mx_refit.errors import InvalidArgument
 if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.config import WeightSyncConfig
 
-__all__ = ["ENGINE_CLASS_PATH", "PLUGIN_NAMESPACE", "VLLM_WORKER_CLASS_PATH", "EngineSettings", "parse_engine_kwargs"]
+__all__ = [
+    "ARENA_DEVICES",
+    "ENGINE_CLASS_PATH",
+    "PLUGIN_NAMESPACE",
+    "VLLM_WORKER_CLASS_PATH",
+    "EngineSettings",
+    "parse_engine_kwargs",
+    "resolve_arena_device",
+]
 
 ENGINE_CLASS_PATH = "mx_refit_nemo_rl.engine:MxCheckpointEngine"
 VLLM_WORKER_CLASS_PATH = "mx_refit_nemo_rl.vllm_worker.MxVllmWorker"
@@ -28,7 +36,15 @@ _WHERE = f"policy.generation.refit_cfg[{ENGINE_CLASS_PATH!r}]"
 
 # Keys of the plugin namespace (weight_sync.nemo_rl): the recipe's selection tables. The engine
 # itself needs none of them; they are checked so a typo does not pass silently.
-_NAMESPACE_KEYS = {"engine_by_method", "worker_cls_by_method", "colocated_by_method", "release_after_refit"}
+_NAMESPACE_KEYS = {
+    "engine_by_method", "worker_cls_by_method", "colocated_by_method", "release_after_refit", "arena_device",
+}
+
+# weight_sync.nemo_rl.arena_device: where each vLLM worker's receive arena lives. "worker": the
+# worker's own device (its GPU on a GPU worker, so same-node sources can use GPU paths); "gpu":
+# the same, refused on a worker that has no GPU; "cpu": pinned host memory (the model's size per
+# worker in RAM, for GPUs too full to hold a second copy).
+ARENA_DEVICES = ("worker", "gpu", "cpu")
 
 
 @dataclass
@@ -36,6 +52,7 @@ class EngineSettings:
     bucket_size: int
     release_after_refit: bool
     config: WeightSyncConfig
+    arena_device: str = "worker"
 
 
 def parse_engine_kwargs(bucket_size: Any, kwargs: Mapping[str, Any]) -> EngineSettings:
@@ -64,4 +81,32 @@ def parse_engine_kwargs(bucket_size: Any, kwargs: Mapping[str, Any]) -> EngineSe
         raise InvalidArgument(
             f"weight_sync.{PLUGIN_NAMESPACE}: unknown keys {sorted(unknown)} (known: {sorted(_NAMESPACE_KEYS)})"
         )
-    return EngineSettings(bucket_size=bucket_size, release_after_refit=release, config=cfg)
+    arena = cfg.plugin_settings.get(PLUGIN_NAMESPACE, {}).get("arena_device", "worker")
+    if arena not in ARENA_DEVICES:
+        raise InvalidArgument(
+            f"weight_sync.{PLUGIN_NAMESPACE}.arena_device: {arena!r} (expected one of {list(ARENA_DEVICES)})"
+        )
+    return EngineSettings(bucket_size=bucket_size, release_after_refit=release, config=cfg, arena_device=arena)
+
+
+def resolve_arena_device(setting: str, worker_device: Any) -> str:
+    """The receive arena's device for ``weight_sync.nemo_rl.arena_device`` on a vLLM worker whose
+    model lives on ``worker_device`` (a ``torch.device`` or its string; ``None`` when unknown)."""
+    if setting == "cpu":
+        return "cpu"
+    device = str(worker_device) if worker_device is not None else None
+    if device is None:
+        raise InvalidArgument(
+            f"weight_sync.{PLUGIN_NAMESPACE}.arena_device: {setting!r}, but this vLLM worker's device is "
+            "unknown (no worker.device nor vllm_config.device_config.device); set it to 'cpu'"
+        )
+    if setting == "gpu" and not device.startswith("cuda"):
+        raise InvalidArgument(
+            f"weight_sync.{PLUGIN_NAMESPACE}.arena_device: 'gpu', but this vLLM worker runs on {device!r}; "
+            "use 'worker' or 'cpu'"
+        )
+    if device == "cuda":  # no index: the device this process is bound to
+        import torch
+
+        device = f"cuda:{torch.cuda.current_device()}"
+    return device
