@@ -112,3 +112,31 @@ def test_the_wheel_ships_the_recipes_and_serves_the_catalog(wheel_venv):
         serve.terminate()
         _, err = serve.communicate(timeout=30)
     assert serve.returncode == 0, err
+
+
+@pytest.mark.timeout(900)
+def test_the_wheel_installs_and_serves_beside_protobuf_6(wheel_venv):
+    """Beside ModelExpress, which needs protobuf<7: pip resolves the wheel with protobuf 6.31.1
+    (an older grpcio-health-checking), and the generated code loads and serves on it. Runs last:
+    it moves the module's venv to protobuf 6."""
+    (wheel,) = (wheel_venv.parent / "dist").glob("mx_refit-*.whl")
+    install = run(wheel_venv, "python", "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                  str(wheel), "protobuf==6.31.1", timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    versions = run(wheel_venv, "python", "-c",
+                   "import importlib.metadata as m\n"
+                   "print(m.version('protobuf'), m.version('grpcio-health-checking'))\n")
+    protobuf, health = versions.stdout.split()
+    assert protobuf == "6.31.1" and tuple(map(int, health.split(".")[:2])) < (1, 82), versions.stdout
+    serve = subprocess.Popen([str(wheel_venv / "bin" / "mx-refit"), "serve", "--port", "0", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=wheel_venv, env=_clean_env())
+    try:
+        info = json.loads(serve.stdout.readline())
+        client = run(wheel_venv, "python", "-c",
+                     "from mx_refit.catalog import CatalogClient\n"
+                     f"print(CatalogClient('127.0.0.1:{info['port']}').list_versions('m'))\n")
+        assert client.returncode == 0 and client.stdout.strip() == "[]", client.stderr[-2000:]
+    finally:
+        serve.terminate()
+        _, err = serve.communicate(timeout=30)
+    assert serve.returncode == 0, err
