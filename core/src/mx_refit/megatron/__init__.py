@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mx_refit.megatron.classify import ClassifiedParam, classify_model
+    from mx_refit.megatron.classify import ClassifiedParam, classify_model, unsupported_bridge_mappings
     from mx_refit.megatron.collect import collect_for_publish, collect_megatron_tensors
     from mx_refit.megatron.parallel import (
         BridgedModel,
@@ -39,6 +39,7 @@ _LAZY = {
     "innermost_module": "mx_refit.megatron.parallel",
     "is_publishing_rank": "mx_refit.megatron.parallel",
     "mesh_position": "mx_refit.megatron.parallel",
+    "unsupported_bridge_mappings": "mx_refit.megatron.classify",
     "unwrap_model": "mx_refit.megatron.parallel",
 }
 
@@ -68,5 +69,6 @@ __all__ = [
     "innermost_module",
     "is_publishing_rank",
     "mesh_position",
+    "unsupported_bridge_mappings",
     "unwrap_model",
 ]
