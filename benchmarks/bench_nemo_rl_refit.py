@@ -65,7 +65,7 @@ class PolicyWorker:
             [self.model], show_progress=False, conversion_tasks=self.refit_conversion_tasks)
 
 
-def rank_main(rank: int, world: int, port: int, hf_dir: str, address: str, model_name: str, cycles: int,
+def rank_main(rank: int, world: int, init_method: str, hf_dir: str, address: str, model_name: str, cycles: int,
               published: Any, pulled: Any) -> dict[str, Any]:
     import asyncio
 
@@ -75,7 +75,7 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, address: str, model
 
     from mx_refit.verify.harness import build_model_from_hf, init_distributed, init_model_parallel
 
-    init_distributed(rank, world, master_port=port)
+    init_distributed(rank, world, init_method=init_method)
     init_model_parallel(tp=world)
     bridged = build_model_from_hf(hf_dir, tp=world)
     worker = PolicyWorker(rank, bridged.model_chunks[0], bridged.bridge)

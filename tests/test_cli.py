@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import socket
+import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from mx_refit.catalog.client import CatalogClient
 from mx_refit.errors import Unauthenticated
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_help_lists_every_subcommand():
@@ -28,23 +21,26 @@ def test_help_lists_every_subcommand():
 
 @pytest.mark.timeout(120)
 def test_serve_binds_loopback_and_enforces_the_token():
-    port = _free_port()
+    # Port 0: the server binds a port and says which (a port probed free beforehand may be taken
+    # by a neighbouring test before the server binds it).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mx_refit.cli", "-v", "serve", "--port", str(port), "--token", "s3cret"],
+        [sys.executable, "-m", "mx_refit.cli", "-v", "serve", "--port", "0", "--token", "s3cret"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    lines = []
     try:
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:  # the server is up once an authenticated call succeeds
-            try:
-                with CatalogClient(address, token="s3cret", timeout_s=2, retries=0) as client:
-                    assert client.list_versions("nothing-here") == []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the announcement comes once the port is bound
+            lines.append(line)
+            found = re.search(r"mx-refit catalog listening on (127\.0\.0\.1:(\d+))", line)
+            if found:
+                address, port = found.group(1), int(found.group(2))
                 break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.3)
+        else:
+            raise AssertionError("serve exited without announcing its address:\n" + "".join(lines))
+        assert port > 0
+        with CatalogClient(address, token="s3cret", timeout_s=2, retries=0) as client:
+            assert client.list_versions("nothing-here") == []
         for token in (None, "wrong"):
             with CatalogClient(address, token=token, timeout_s=2, retries=0) as client:
                 with pytest.raises(Unauthenticated):
@@ -52,8 +48,7 @@ def test_serve_binds_loopback_and_enforces_the_token():
     finally:
         proc.terminate()
         output, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, output
-    assert f"mx-refit catalog listening on 127.0.0.1:{port}" in output  # it says where it listens
+    assert proc.returncode == 0, "".join(lines) + output
 
 
 def test_verify_is_dispatched_with_its_public_arguments(tmp_path):

@@ -7,7 +7,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from mx_refit.errors import (
     Unauthenticated,
     Unavailable,
 )
+from mx_refit.testing.procs import refused_address
 from mx_refit.types import Role, VersionState
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,12 +67,6 @@ def client(server: CatalogServer) -> Iterator[CatalogClient]:
 @pytest.fixture
 def model(request: pytest.FixtureRequest) -> str:
     return re.sub(r"\W", "_", request.node.name)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_server_binds_loopback_on_an_ephemeral_port(server: CatalogServer) -> None:
@@ -372,13 +366,13 @@ def test_manifest_of_20000_descriptors_round_trips(client: CatalogClient, model:
 
 
 def test_unreachable_catalog_raises_unavailable_after_the_retry_budget() -> None:
-    address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    lost = CatalogClient(address, retries=2, backoff_s=0.01, timeout_s=2)
-    start = time.monotonic()
-    with pytest.raises(Unavailable, match=rf"catalog at {address} is unavailable after 3 attempt"):
-        lost.list_versions("m")
-    assert time.monotonic() - start < 5
-    lost.close()
+    with refused_address() as address:
+        lost = CatalogClient(address, retries=2, backoff_s=0.01, timeout_s=2)
+        start = time.monotonic()
+        with pytest.raises(Unavailable, match=rf"catalog at {address} is unavailable after 3 attempt"):
+            lost.list_versions("m")
+        assert time.monotonic() - start < 5
+        lost.close()
 
 
 def test_oversized_request_is_invalid_argument() -> None:

@@ -20,12 +20,6 @@ WORKERS = HERE / "_workers.py"
 RELAY = HERE / "_relay.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_port(port: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -110,20 +104,31 @@ class Proc:
 
 
 class CatalogProc:
-    """``mx-refit serve`` on a fixed port, restartable the way a crashed catalog comes back."""
+    """``mx-refit serve``, restartable on its port the way a crashed catalog comes back."""
 
-    def __init__(self, log_dir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+    def __init__(self, log_dir: Path, port: int = 0) -> None:
+        self.port = port  # 0: the first start binds a port and announces it
         self.log_dir = log_dir
         self.restarts = 0
         self.proc: Proc | None = None
         self.start()
+        self.address = f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "mx_refit.cli", "serve", "--port", str(self.port)]
-        self.proc = Proc(argv, f"catalog-{self.port}-{self.restarts}", self.log_dir)
-        wait_port(self.port)
+        """Serve on ``self.port`` and wait for the announcement (it comes once the port is bound).
+        A restart binds the same port again: another process may take it in the gap, so a start
+        that exits (address in use) is retried for a while before the rig gives up."""
+        deadline = time.monotonic() + 30
+        while True:
+            argv = [sys.executable, "-m", "mx_refit.cli", "serve", "--json", "--port", str(self.port)]
+            self.proc = Proc(argv, f"catalog-{self.port}-{self.restarts}", self.log_dir)
+            try:
+                self.port = int(self.proc.next(60)["port"])
+                return
+            except RuntimeError:  # it exited
+                if self.port == 0 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def restart(self, sig: int = signal.SIGKILL) -> None:
         assert self.proc is not None
@@ -138,16 +143,17 @@ class CatalogProc:
 
 
 class RelayProc:
-    """A TCP relay ``listen port -> catalog port``; ``cut()`` kills it, ``mend()`` restarts it."""
+    """A TCP relay ``listen port -> catalog port``; ``cut()`` kills it, ``mend()`` restarts it on
+    the same port (the first start binds port 0 and reports the port)."""
 
     def __init__(self, target_port: int, log_dir: Path) -> None:
-        self.port = free_port()
+        self.port = 0
         self.target_port = target_port
-        self.address = f"127.0.0.1:{self.port}"
         self.log_dir = log_dir
         self.count = 0
         self.proc: Proc | None = None
         self.mend()
+        self.address = f"127.0.0.1:{self.port}"
 
     def mend(self) -> None:
         self.proc = Proc([sys.executable, str(RELAY), str(self.port), str(self.target_port)],
@@ -157,7 +163,7 @@ class RelayProc:
 
     def _ready(self) -> None:
         assert self.proc is not None
-        self.proc.expect("ready", timeout=30)
+        self.port = int(self.proc.expect("ready", timeout=30)["port"])
 
     def cut(self) -> None:
         assert self.proc is not None

@@ -3,6 +3,8 @@
 Tests put it on the path of a reader's catalog calls and then fault the link the way networks
 fail: SIGSTOP pauses it (calls hang), SIGKILL cuts it (connections reset, new ones refused until
 a new relay listens on the same port). Standard library only, so it starts in milliseconds.
+LISTEN_PORT 0 binds a free port; the ready line says which. A relay restarted on its old port
+retries the bind for a while: another process may hold the port for a moment.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
 
 
 def pump(src: socket.socket, dst: socket.socket) -> None:
@@ -29,9 +32,17 @@ def pump(src: socket.socket, dst: socket.socket) -> None:
 def serve(listen_port: int, target_port: int) -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", listen_port))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            listener.bind(("127.0.0.1", listen_port))
+            break
+        except OSError:
+            if listen_port == 0 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
     listener.listen(64)
-    print('{"event": "ready"}', flush=True)
+    print(f'{{"event": "ready", "port": {listener.getsockname()[1]}}}', flush=True)
     while True:
         client, _ = listener.accept()
         try:

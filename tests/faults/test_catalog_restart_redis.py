@@ -6,6 +6,7 @@ and clients reconnect on their own without registering anything twice."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _harness import HERE, Proc, free_port, wait_port
+from _harness import HERE, Proc
 
 from mx_refit.catalog.client import CatalogClient
 from mx_refit.types import MeshPosition, SourceInfo, TensorDescriptor, VersionState
@@ -48,15 +49,25 @@ class Catalogs:
         self.redis = RedisServer(log_dir)
         self.zygote = Proc([sys.executable, str(HERE / "_catalog_zygote.py")], "zygote", log_dir)
         self.zygote.expect("ready")
-        self.ports = [free_port(), free_port()]
+        self.ports = [0, 0]  # the first starts bind free ports and announce them
         self.pids = [self._start(0), self._start(1)]
 
     def _start(self, which: int) -> int:
-        port = self.ports[which]
-        argv = ["serve", "--port", str(port), "--store", self.redis.url]
-        pid = int(self.zygote.call(argv=argv, log=str(self.log_dir / f"catalog-{which}.log"))["pid"])
-        wait_port(port, BOUND_S)
-        return pid
+        """Serve on ``ports[which]``; the port is known once the catalog announces it (one JSON
+        line in its log). A restart binds its old port again: a start that dies (another process
+        holds the port for a moment) is retried until ``BOUND_S``."""
+        log = self.log_dir / f"catalog-{which}.log"
+        deadline = time.monotonic() + BOUND_S
+        while True:
+            seen = log.stat().st_size if log.exists() else 0
+            argv = ["serve", "--json", "--port", str(self.ports[which]), "--store", self.redis.url]
+            pid = int(self.zygote.call(argv=argv, log=str(log))["pid"])
+            port = _announced_port(log, seen, pid, deadline)
+            if port is not None:
+                self.ports[which] = port
+                return pid
+            assert self.ports[which] != 0 and time.monotonic() < deadline, f"catalog {which} did not start: {log}"
+            time.sleep(0.2)
 
     def restart(self, which: int, sig: int) -> None:
         pid = self.pids[which]
@@ -82,6 +93,23 @@ class Catalogs:
                 pass
         self.zygote.kill()
         self.redis.stop()
+
+
+def _announced_port(log: Path, seen: int, pid: int, deadline: float) -> int | None:
+    """The port in the catalog's announcement written to ``log`` after byte ``seen``; None once
+    the process is gone without one."""
+    while time.monotonic() < deadline:
+        with open(log, "rb") as handle:
+            handle.seek(seen)
+            for line in handle.read().decode(errors="replace").splitlines():
+                if line.startswith("{"):
+                    return int(json.loads(line)["port"])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        time.sleep(0.01)
+    raise TimeoutError(f"catalog {pid} did not announce its port within {BOUND_S:.0f} s: {log}")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from mx_refit.testing.procs import open_child, rank_arguments, serve
 
 
 class DTensorRank:
-    def __init__(self, rank: int, world: int, dist_port: int, catalog: str, model_name: str, urls: list[str], hf_dir: str):
+    def __init__(self, rank: int, world: int, dist_init: str, catalog: str, model_name: str, urls: list[str], hf_dir: str):
         import torch
         import torch.distributed as dist
         import transformers
@@ -27,7 +27,7 @@ class DTensorRank:
         from mx_refit_dynamo import DynamoRefitClient
         from mx_refit_vllm.trainer import MxTrainerInitInfo
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,))
         config = transformers.AutoConfig.from_pretrained(hf_dir)
         self.module = transformers.Qwen2ForCausalLM(config).to(torch.float32)
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
     opened = open_child(args.listen, lambda: DTensorRank(
-        args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.workers.split(","), args.hf_dir
+        args.rank, args.world, args.dist_init, args.catalog, args.model_name, args.workers.split(","), args.hf_dir
     ))
     if opened is None:
         return

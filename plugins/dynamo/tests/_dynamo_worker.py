@@ -32,7 +32,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator: vLLM's CPU
 HERE = Path(__file__).resolve().parent
 VLLM_TESTS = HERE.parent.parent / "vllm_engine" / "tests"
 
-from mx_refit.testing.procs import Group, free_port, start_group  # noqa: E402
+from mx_refit.testing.procs import Group, rendezvous_url, start_group  # noqa: E402
 from mx_refit.testing.procs import serve as serve_commands  # noqa: E402
 
 
@@ -141,10 +141,10 @@ def main() -> None:
     preload = threading.Thread(target=_import_dynamo, daemon=True)
     preload.start()
     try:
-        dist_port = free_port()
+        rendezvous = rendezvous_url(args.log_dir)
         extra = args.worker_args.split() if args.worker_args else []
         per_rank = [
-            ["--rank", str(r), "--world", str(args.tp), "--dist-port", str(dist_port), "--hf-dir", args.hf_dir, *extra]
+            ["--rank", str(r), "--world", str(args.tp), "--dist-init", rendezvous, "--hf-dir", args.hf_dir, *extra]
             for r in range(args.tp)
         ]
         script = args.worker_script if (HERE / args.worker_script).exists() else str(VLLM_TESTS / args.worker_script)

@@ -33,11 +33,11 @@ class BareWorker(Worker):
 
 
 class ExtendedWorkerProcess(_vllm_worker.WorkerProcess):
-    def __init__(self, rank: int, world: int, dist_port: int, hf_dir: str, extension: str, engine: bool) -> None:
+    def __init__(self, rank: int, world: int, dist_init: str, hf_dir: str, extension: str, engine: bool) -> None:
         import torch
         from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-        super().__init__(rank, world, dist_port, hf_dir)
+        super().__init__(rank, world, dist_init, hf_dir)
         parallel = self.vllm_config.parallel_config
         parallel.worker_cls = f"{__name__}.BareWorker" if __name__ != "__main__" else "_ext_worker.BareWorker"
         parallel.worker_extension_cls = extension
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--no-engine", action="store_true")
     args = parser.parse_args()
     opened = open_child(args.listen, lambda: ExtendedWorkerProcess(
-        args.rank, args.world, args.dist_port, args.hf_dir, args.extension, not args.no_engine
+        args.rank, args.world, args.dist_init, args.hf_dir, args.extension, not args.no_engine
     ), rank=args.rank)
     if opened is None:
         return

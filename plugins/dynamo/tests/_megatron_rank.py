@@ -23,7 +23,7 @@ class MegatronRank:
         from mx_refit import Publisher, mesh_position
         from mx_refit.verify.harness import init_distributed, init_model_parallel
 
-        init_distributed(args.rank, args.world, master_port=args.dist_port)
+        init_distributed(args.rank, args.world, init_method=args.dist_init)
         init_model_parallel(tp=args.world)
         self.tp = args.world
         self.publisher = Publisher(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import HERE, DynamoWorkerProc
 
-from mx_refit.testing.procs import core_python, free_port, start_group, vllm_python
+from mx_refit.testing.procs import core_python, rendezvous_url, start_group, vllm_python
 from mx_refit_dynamo import DynamoRefitClient, DynamoRefitError
 
 pytestmark = pytest.mark.timeout(900)
@@ -69,10 +69,10 @@ def megatron(dynamo_workers, ckpts, log_dir):
     from mx_refit import start_catalog
 
     server = start_catalog()
-    port = free_port()
+    rendezvous = rendezvous_url(log_dir)
     readers = sum(w.tp for w in dynamo_workers)  # one reader per vLLM rank
     args = [
-        ["--rank", str(r), "--world", "2", "--dist-port", str(port), "--catalog", server.address,
+        ["--rank", str(r), "--world", "2", "--dist-init", rendezvous, "--catalog", server.address,
          "--model-name", "dyn-megatron", "--readers", str(readers)]
         for r in range(2)
     ]
@@ -189,10 +189,10 @@ def test_client_is_the_vllm_sync_client_of_the_trainer_engine(
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
     assert isinstance(client_for(dynamo_workers), VLLMWeightSyncClient)
-    port = free_port()
+    rendezvous = rendezvous_url(log_dir)
     urls = ",".join(w.system_url for w in dynamo_workers)
     args = [
-        ["--rank", str(r), "--world", "2", "--dist-port", str(port), "--catalog", mx_catalog,
+        ["--rank", str(r), "--world", "2", "--dist-init", rendezvous, "--catalog", mx_catalog,
          "--model-name", model_name, "--workers", urls, "--hf-dir", str(ckpts[0])]
         for r in range(2)
     ]

@@ -8,7 +8,6 @@ from typing import Any
 from mx_refit.verify.harness import (  # noqa: F401 - re-exported for the rank scripts
     apply_cpu_shims,
     build_model_from_hf,
-    free_port,
     init_distributed,
     init_model_parallel,
 )

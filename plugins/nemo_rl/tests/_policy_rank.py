@@ -29,11 +29,11 @@ from mx_refit.testing.procs import open_child, rank_arguments, serve  # noqa: E4
 class PolicyRank:
     """A TP rank's process group, Megatron model (through Megatron-Bridge) and policy worker."""
 
-    def __init__(self, rank: int, world: int, dist_port: int, hf_dir: str) -> None:
+    def __init__(self, rank: int, world: int, dist_init: str, hf_dir: str) -> None:
         from _harness import build_model_from_hf, init_distributed, init_model_parallel
         from _nemo_rl_contract import MegatronPolicyWorker
 
-        init_distributed(rank, world, master_port=dist_port)
+        init_distributed(rank, world, init_method=dist_init)
         init_model_parallel(tp=world)
         self.bridged = build_model_from_hf(hf_dir, tp=world)
         (self.chunk,) = self.bridged.model_chunks
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
     opened = open_child(
-        args.listen, lambda: PolicyRank(args.rank, args.world, args.dist_port, args.hf_dir), rank=args.rank
+        args.listen, lambda: PolicyRank(args.rank, args.world, args.dist_init, args.hf_dir), rank=args.rank
     )
     if opened is None:
         return

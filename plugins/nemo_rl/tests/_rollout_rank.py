@@ -30,7 +30,7 @@ from mx_refit.testing.procs import open_child, rank_arguments, serve  # noqa: E4
 
 
 class RolloutProcess:
-    def __init__(self, rank: int, world: int, dist_port: int, hf_dir: str) -> None:
+    def __init__(self, rank: int, world: int, dist_init: str, hf_dir: str) -> None:
         from types import SimpleNamespace
 
         from mx_refit.testing.checkpoints import load_version
@@ -55,7 +55,7 @@ class RolloutProcess:
         self.agent_created_before_init = self.worker.mx_refit_transport is not None
         with set_current_vllm_config(self.vllm_config):
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
+                                         distributed_init_method=dist_init)
             initialize_model_parallel(world, 1, backend="gloo")
             self.model = initialize_model(vllm_config=self.vllm_config)
             self.model.load_weights(list(load_version(hf_dir).items()))
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
     opened = open_child(
-        args.listen, lambda: RolloutProcess(args.rank, args.world, args.dist_port, args.hf_dir), rank=args.rank
+        args.listen, lambda: RolloutProcess(args.rank, args.world, args.dist_init, args.hf_dir), rank=args.rank
     )
     if opened is None:
         return

@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE / "nemo_rl_repro"))  # `nemo_rl.utils.checkpoint_eng
 
 import _nemo_rl_contract as nrl  # noqa: E402
 from mx_refit.testing.checkpoints import build_version  # noqa: E402
-from mx_refit.testing.procs import Group, core_python, free_port, start_group, vllm_python  # noqa: E402
+from mx_refit.testing.procs import Group, core_python, rendezvous_url, start_group, vllm_python  # noqa: E402
 
 NOT_RUN = [
     "NeMo RL itself (not installable here: PyPI's nemo-rl is a 0.0.0 placeholder, the real one needs "
@@ -60,8 +60,8 @@ def groups(ckpts: dict[int, Path], log_dir: Path) -> Iterator[dict[str, Group]]:
         pytest.skip("needs the core venv (MX_REFIT_CORE_PYTHON) and the vLLM venv (MX_REFIT_VLLM_PYTHON)")
 
     def ranks(tp: int, extra: list[str]) -> list[list[str]]:
-        port = free_port()
-        return [["--rank", str(r), "--world", str(tp), "--dist-port", str(port), *extra] for r in range(tp)]
+        rendezvous = rendezvous_url(log_dir)
+        return [["--rank", str(r), "--world", str(tp), "--dist-init", rendezvous, *extra] for r in range(tp)]
 
     hf = ["--hf-dir", str(ckpts[0])]
     with ThreadPoolExecutor(3) as pool:

@@ -18,7 +18,7 @@ from mx_refit.testing.procs import open_child, rank_arguments, serve
 
 class TrainerRank:
     def __init__(
-        self, rank: int, world: int, dist_port: int, catalog: str, model_name: str, relay: str, hf_dir: str
+        self, rank: int, world: int, dist_init: str, catalog: str, model_name: str, relay: str, hf_dir: str
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -31,7 +31,7 @@ class TrainerRank:
         from mx_refit_vllm.trainer import MxTrainerInitInfo
 
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world
+            "gloo", init_method=dist_init, rank=rank, world_size=world
         )
         self.mesh = init_device_mesh("cpu", (world,))
         config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
     opened = open_child(args.listen, lambda: TrainerRank(
-        args.rank, args.world, args.dist_port, args.catalog, args.model_name, args.relay, args.hf_dir
+        args.rank, args.world, args.dist_init, args.catalog, args.model_name, args.relay, args.hf_dir
     ))
     if opened is None:
         return

@@ -26,7 +26,7 @@ from mx_refit.testing.procs import open_child, rank_arguments, serve  # noqa: E4
 
 
 class WorkerProcess:
-    def __init__(self, rank: int, world: int, dist_port: int, hf_dir: str) -> None:
+    def __init__(self, rank: int, world: int, dist_init: str, hf_dir: str) -> None:
         import torch
         from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
         from vllm.config.weight_transfer import WeightTransferConfig
@@ -55,7 +55,7 @@ class WorkerProcess:
                 rank=rank,
                 local_rank=rank,
                 backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
+                distributed_init_method=dist_init,
             )
             initialize_model_parallel(world, 1, backend="gloo")
             self.model = initialize_model(vllm_config=self.vllm_config)
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
     opened = open_child(
-        args.listen, lambda: WorkerProcess(args.rank, args.world, args.dist_port, args.hf_dir), rank=args.rank
+        args.listen, lambda: WorkerProcess(args.rank, args.world, args.dist_init, args.hf_dir), rank=args.rank
     )
     if opened is None:
         return

@@ -18,7 +18,7 @@ import pytest
 from _relay import Relay
 
 from mx_refit.testing.checkpoints import build_version
-from mx_refit.testing.procs import Group, free_port, start_group, vllm_python
+from mx_refit.testing.procs import Group, rendezvous_url, start_group, vllm_python
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,9 +72,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def worker_groups(ckpts: dict[int, Path], log_dir: Path) -> Iterator[dict[int, Workers]]:
     def start(tp: int) -> Group:
-        port = free_port()
+        rendezvous = rendezvous_url(log_dir)
         args = [
-            ["--rank", str(r), "--world", str(tp), "--dist-port", str(port), "--hf-dir", str(ckpts[0])]
+            ["--rank", str(r), "--world", str(tp), "--dist-init", rendezvous, "--hf-dir", str(ckpts[0])]
             for r in range(tp)
         ]
         return start_group(f"vllm-tp{tp}", vllm_python(), HERE / "_vllm_worker.py", args, log_dir)

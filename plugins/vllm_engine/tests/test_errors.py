@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mx_refit.testing.checkpoints import load_version
-from mx_refit.testing.procs import RemoteError, free_port
+from mx_refit.testing.procs import RemoteError, refused_address
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,7 @@ def good(worker_groups, publish, mx_catalog: str, ckpts: dict[int, Path]) -> str
 
 
 def test_catalog_unreachable_at_init(tp1) -> None:
-    address = f"127.0.0.1:{free_port()}"
-    with pytest.raises(RemoteError) as info:
+    with refused_address() as address, pytest.raises(RemoteError) as info:
         tp1.rpc("init_weight_transfer_engine", init_info={"catalog": address, "model": "m"})
     assert info.value.kind == "Unavailable"
     assert f"catalog unreachable at {address}" in info.value.message

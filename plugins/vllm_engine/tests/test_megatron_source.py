@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mx_refit.testing.procs import core_python, free_port, start_group
+from mx_refit.testing.procs import core_python, rendezvous_url, start_group
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def megatron(mx_catalog: str, ckpts: dict[int, Path], log_dir: Path):
         pytest.skip(
             "the core venv (megatron-core + Megatron-Bridge) is not available; set MX_REFIT_CORE_PYTHON"
         )
-    port = free_port()
+    rendezvous = rendezvous_url(log_dir)
     name = "vllm-megatron-tp2"
     args = [
         [
@@ -30,8 +30,8 @@ def megatron(mx_catalog: str, ckpts: dict[int, Path], log_dir: Path):
             str(r),
             "--world",
             "2",
-            "--dist-port",
-            str(port),
+            "--dist-init",
+            rendezvous,
             "--catalog",
             mx_catalog,
             "--model-name",

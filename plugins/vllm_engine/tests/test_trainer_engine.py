@@ -14,21 +14,21 @@ import pytest
 
 from _relay import Relay
 
-from mx_refit.testing.procs import free_port, start_group, vllm_python
+from mx_refit.testing.procs import rendezvous_url, start_group, vllm_python
 
 
 @pytest.fixture
 def trainers(mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[int, Path], log_dir: Path):
     relay.group = tp1.group
-    port = free_port()
+    rendezvous = rendezvous_url(log_dir)
     args = [
         [
             "--rank",
             str(r),
             "--world",
             "2",
-            "--dist-port",
-            str(port),
+            "--dist-init",
+            rendezvous,
             "--catalog",
             mx_catalog,
             "--model-name",

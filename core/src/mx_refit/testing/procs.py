@@ -9,29 +9,32 @@ HOST:PORT ARGS...``; the child connects, builds what it serves and answers ``("o
 or ``("err", (kind, message))``; ``stop`` ends the child after its reply.
 
 Parent: :class:`Child`, :class:`Group`, :func:`start_group`, :func:`core_python`,
-:func:`vllm_python`. Child: :func:`rank_arguments`, :func:`open_child`, :func:`serve`,
+:func:`vllm_python`, :func:`rendezvous_url` (a rank group's ``--dist-init``),
+:func:`refused_address`. Child: :func:`rank_arguments`, :func:`open_child`, :func:`serve`,
 :func:`describe_error`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from mx_refit.verify.harness import free_port
+from mx_refit.verify.harness import rendezvous_url
 
 __all__ = [
     "TIMEOUT_SCALE",
@@ -40,9 +43,10 @@ __all__ = [
     "RemoteError",
     "core_python",
     "describe_error",
-    "free_port",
     "open_child",
     "rank_arguments",
+    "refused_address",
+    "rendezvous_url",
     "serve",
     "start_group",
     "vllm_python",
@@ -248,6 +252,16 @@ def start_concurrently[T](starts: Sequence[Callable[[], T]], stop: Callable[[T],
     return started
 
 
+@contextlib.contextmanager
+def refused_address() -> Iterator[str]:
+    """``127.0.0.1:PORT`` where a connection is refused for as long as the block runs: the port is
+    bound (so no other process can take it) but never listened on. A port probed as free and
+    closed again may be taken by anyone before the test dials it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
 def core_python() -> str | None:
     """The core venv's interpreter (megatron-core, Megatron-Bridge): ``$MX_REFIT_CORE_PYTHON``,
     else the newest complete ``scripts/dev`` core venv under ``$MX_REFIT_CACHE``."""
@@ -278,12 +292,13 @@ def _venv_python(variable: str, kind: str) -> str | None:
 # ---------------------------------------------------------------------------------- child's end
 def rank_arguments() -> argparse.ArgumentParser:
     """A parser with what every rank script takes: ``--listen`` (from :class:`Child`), ``--rank``,
-    ``--world`` and ``--dist-port`` (the process group's rendezvous); add the script's own."""
+    ``--world`` and ``--dist-init`` (the process group's rendezvous, a :func:`rendezvous_url`:
+    ``init_method`` for torch, ``distributed_init_method`` for vLLM); add the script's own."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--listen", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dist-port", type=int, required=True)
+    parser.add_argument("--dist-init", required=True)
     return parser
 
 

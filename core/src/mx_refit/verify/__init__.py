@@ -5,6 +5,6 @@
 * :mod:`mx_refit.verify.expect`: the independent expectations it compares against (checkpoint
   bytes, vLLM-style windows), computed without the planner.
 * :mod:`mx_refit.verify.harness`: Megatron-Core ranks on one machine for the tool, the demo and
-  the tests (``init_distributed``, ``build_model_from_hf``, ``launch_ranks``, ``free_port``, the
+  the tests (``init_distributed``, ``build_model_from_hf``, ``launch_ranks``, ``rendezvous_url``, the
   CPU shims).
 """

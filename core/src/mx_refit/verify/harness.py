@@ -4,7 +4,9 @@
   (``torch.cuda.current_device()`` in rotary embeddings and the global memory buffer, and the
   CUDA RNG tracker). ``apply_cpu_shims()`` patches exactly those, and only when CUDA is absent.
 - Process groups: ``init_distributed()`` + ``init_model_parallel()`` (gloo on CPU, NCCL on GPU).
-- ``launch_ranks()`` / ``free_port()``: spawn ranks and give them a rendezvous port.
+- ``launch_ranks()`` / ``rendezvous_url()``: spawn ranks and give them a rendezvous (a fresh
+  ``file://`` store: nothing to bind, so no port another process can take between a probe and the
+  bind, which a "free port" handed to the ranks allowed).
 - ``build_model_from_hf()``: an HF checkpoint directory -> a Megatron-Core model on this rank,
   through Megatron-Bridge (``AutoBridge``), with the requested TP/PP/EP.
 
@@ -29,10 +31,10 @@ __all__ = [
     "apply_cpu_shims",
     "build_model_from_hf",
     "destroy_distributed",
-    "free_port",
     "init_distributed",
     "init_model_parallel",
     "launch_ranks",
+    "rendezvous_url",
 ]
 
 _CPU_SHIMS_APPLIED = False
@@ -76,26 +78,28 @@ def init_distributed(
     rank: int,
     world_size: int,
     *,
+    init_method: str | None = None,
     master_addr: str = "127.0.0.1",
-    master_port: int,
+    master_port: int | None = None,
     device: str = "cpu",
     timeout_s: float = 300.0,
 ) -> None:
     """Initialise ``torch.distributed`` for one trainer rank (gloo on CPU, NCCL on GPU).
 
-    Must run before Megatron-Bridge's ``provide_distributed_model``, which otherwise calls
-    ``torch.cuda.set_device`` and initialises NCCL itself.
+    The ranks meet at ``init_method`` (a ``rendezvous_url()`` on one machine) or at
+    ``master_addr:master_port`` (a port that rank 0 binds: only for a port the job owns, e.g.
+    from a launcher). Must run before Megatron-Bridge's ``provide_distributed_model``, which
+    otherwise calls ``torch.cuda.set_device`` and initialises NCCL itself.
     """
     import torch
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(master_port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+    if (init_method is None) == (master_port is None):
+        raise ValueError(f"init_distributed: give exactly one of init_method ({init_method!r}) "
+                         f"and master_port ({master_port!r})")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if master_port is not None:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         backend = "nccl"
@@ -103,7 +107,8 @@ def init_distributed(
         apply_cpu_shims()
         backend = "gloo"
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
     )
 
 
@@ -232,48 +237,60 @@ def build_model_from_hf(
     return BridgedModel(bridge=bridge, model_chunks=list(model), hf_config=bridge.hf_pretrained.config)
 
 
-def free_port() -> int:
-    """An unused localhost TCP port (for the gloo / NCCL rendezvous)."""
-    import socket
+def rendezvous_url(folder: str | os.PathLike[str]) -> str:
+    """A fresh ``file://`` rendezvous for one process group on this machine (``init_method`` of
+    ``torch.distributed.init_process_group``, vLLM's ``distributed_init_method``).
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    A file store binds nothing: a port probed as free and bound later by rank 0's TCPStore can be
+    taken in between by any process on the machine (it was, in CI). The file goes in ``folder``
+    (one the caller removes: torch does not always) under a name no other group uses.
+    """
+    import secrets
+    from pathlib import Path
+
+    return (Path(folder) / f"rdzv-{secrets.token_hex(8)}").resolve().as_uri()
 
 
 class RankFailed(RuntimeError):
     """A spawned rank raised; the message carries its traceback."""
 
 
-def _rank_entry(fn: Any, rank: int, world_size: int, port: int, args: tuple[Any, ...], results: Any) -> None:
+def _rank_entry(fn: Any, rank: int, world_size: int, init_method: str, args: tuple[Any, ...], results: Any) -> None:
     import pickle
     import traceback
 
     try:
         # Plain pickle (bytes) instead of the queue's ForkingPickler: torch tensors would travel
         # as shared-memory handles that die with this process.
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, port, *args))))
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, init_method, *args))))
     except BaseException as exc:  # report everything, including SystemExit, to the parent
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 
 
 def launch_ranks(fn: Any, world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
-    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh (spawned) processes.
+    """Run ``fn(rank, world_size, init_method, *args)`` in ``world_size`` fresh (spawned) processes;
+    ``init_method`` is their rendezvous (``init_distributed(..., init_method=init_method)``).
 
     ``fn`` must be importable (module-level). Returns the per-rank return values (picklable) in
     rank order; raises ``RankFailed`` with the first failing rank's traceback, or on timeout.
     """
     import multiprocessing as mp
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mx-refit-ranks-") as folder:
+        return _run_ranks(mp.get_context("spawn"), fn, world_size, args, rendezvous_url(folder), timeout_s)
+
+
+def _run_ranks(ctx: Any, fn: Any, world_size: int, args: tuple[Any, ...], init_method: str,
+               timeout_s: float) -> list[Any]:
     import pickle
     import queue
     import time
 
-    ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
     procs = [
-        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, args, results), daemon=True)
+        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, init_method, args, results), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -75,7 +75,7 @@ def _stdout_to_stderr() -> None:
     os.dup2(2, 1)
 
 
-def _source_rank(rank: int, run: VerifyRun, port: int, address: str, model: str, commands: Any,
+def _source_rank(rank: int, run: VerifyRun, init_method: str, address: str, model: str, commands: Any,
                  results: Any) -> None:
     """One Megatron trainer rank: build from HF, publish native shards, wait for ``stop``."""
     import logging
@@ -103,7 +103,7 @@ def _source_rank(rank: int, run: VerifyRun, port: int, address: str, model: str,
             init_model_parallel,
         )
 
-        init_distributed(rank, run.world, master_port=port, device=run.device, timeout_s=run.timeout_s)
+        init_distributed(rank, run.world, init_method=init_method, device=run.device, timeout_s=run.timeout_s)
         init_model_parallel(run.source_tp, run.source_pp, run.source_ep)
         dtype = getattr(torch, checkpoint_dtype(run.hf_dir))
         built = build_model_from_hf(run.hf_dir, tp=run.source_tp, pp=run.source_pp, ep=run.source_ep,
@@ -241,8 +241,11 @@ def run_verify(run: VerifyRun, log: Callable[[str], None] | None = None) -> dict
     other (each receiver process is started only when its layout's turn comes: an idle NIXL agent
     still costs CPU, and CI machines are small).
     """
+    import shutil
+    import tempfile
+
     from mx_refit.catalog.server import start_embedded
-    from mx_refit.verify.harness import free_port
+    from mx_refit.verify.harness import rendezvous_url
 
     log = log or (lambda msg: None)
     names = sorted(checkpoint_index(run.hf_dir))
@@ -252,8 +255,9 @@ def run_verify(run: VerifyRun, log: Callable[[str], None] | None = None) -> dict
     server = start_embedded()
     phase = _Phase(results, time.monotonic() + run.timeout_s, run.timeout_s)
     commands = [ctx.Queue() for _ in range(run.world)]
-    port = free_port()
-    sources = [ctx.Process(target=_source_rank, args=(r, run, port, server.address, model, commands[r], results),
+    rendezvous = tempfile.mkdtemp(prefix="mx-refit-verify-")
+    init_method = rendezvous_url(rendezvous)
+    sources = [ctx.Process(target=_source_rank, args=(r, run, init_method, server.address, model, commands[r], results),
                            name=f"mx-verify-source{r}", daemon=True) for r in range(run.world)]
     procs: list[Any] = list(sources)
     summaries: dict[tuple[int, int], dict[str, Any]] = {}
@@ -293,6 +297,7 @@ def run_verify(run: VerifyRun, log: Callable[[str], None] | None = None) -> dict
                 proc.kill()
                 proc.join()
         server.stop(0)
+        shutil.rmtree(rendezvous, ignore_errors=True)
     return summaries
 
 
