@@ -1,5 +1,6 @@
 """The transport seam without a GPU: per-source path choice, the IPC handle cache, range
-translation, and the catalog's CUDA IPC fields (real catalog service, real protobuf round trip)."""
+translation, the catalog's CUDA IPC fields (real catalog service, real protobuf round trip), and
+a package import that loads neither torch nor nixl."""
 
 from __future__ import annotations
 
@@ -291,3 +292,22 @@ def test_a_path_choice_is_remembered_until_the_export_changes(monkeypatch) -> No
     elsewhere = SimpleNamespace(source_id="s", cuda_ipc=export(boot="boot-b"))  # the source moved
     assert transport.choose(elsewhere, arena).path == NIXL and len(calls) == 2
     assert transport.choose(elsewhere, SimpleNamespace(device="cuda:1")).path == NIXL and len(calls) == 3
+
+
+def test_transport_package_import_is_lazy() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mx_refit
+
+    src = str(Path(mx_refit.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    code = (
+        "import sys, mx_refit.transport as t, mx_refit.transport.nixl;"
+        "assert 'torch' not in sys.modules and 'nixl' not in sys.modules, sorted(sys.modules);"
+        "assert t.NixlTransport.__name__ == 'NixlTransport';"
+        "assert 'nixl' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30, env=env)

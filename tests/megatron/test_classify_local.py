@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mx_refit.verify.harness import launch_ranks
 from tests.fixtures.megatron_jobs import local_spec_job
-from tests.layout.test_classify_bridge import expected_role
+from tests.megatron.test_classify_bridge import expected_role
 
 
 def test_local_spec_ep2_fallback_wrapped_and_overrides() -> None:
