@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from mx_refit.config import check_count, check_flag, check_mode, check_seconds
 from mx_refit.errors import InvalidArgument, MxRefitError
 from mx_refit_dynamo.backend import ALIAS
 from mx_refit_dynamo.discovery import DynamoWorker, fetch_workers
@@ -116,17 +117,10 @@ class DynamoRefitClient:
         urls = [w.system_url for w in self.workers]
         if len(set(urls)) != len(urls):
             raise InvalidArgument(f"workers: duplicate system URLs in {urls}")
-        for name, value in (("timeout_s", timeout_s), ("init_timeout_s", init_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidArgument(f"{name}: expected a number of seconds > 0, got {value!r}")
-        if pause_mode not in _PAUSE_MODES:
-            raise InvalidArgument(f"pause_mode: expected one of {_PAUSE_MODES}, got {pause_mode!r}")
-        if not isinstance(pause, bool):
-            raise InvalidArgument(f"pause: expected a bool, got {pause!r}")
-        self.timeout_s = float(timeout_s)
-        self.init_timeout_s = float(init_timeout_s)
-        self.pause = pause
-        self.pause_mode = pause_mode
+        self.timeout_s = check_seconds(timeout_s, "timeout_s")
+        self.init_timeout_s = check_seconds(init_timeout_s, "init_timeout_s")
+        self.pause_mode = check_mode(pause_mode, "pause_mode", _PAUSE_MODES)
+        self.pause = check_flag(pause, "pause")
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self._initialized: dict[str, dict[str, Any]] = {}  # system_url -> init info sent
         self._paused: set[str] = set()
@@ -285,8 +279,7 @@ class DynamoRefitClient:
         Dynamo's prefix-cache reset) -> resume, always. Needs workers started with
         ``--worker-extension-cls`` naming :class:`~mx_refit_dynamo.MxRefitWorkerExtension` (or a
         class composed from it); ``mx_config`` takes the upstream keys."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidArgument(f"version: expected an integer >= 0, got {version!r}")
+        check_count(version, "version", minimum=0)
         label = str(version) if weight_version is None else str(weight_version)
         body: dict[str, Any] = {
             "engine_rpc": "update_weights_via_mx",

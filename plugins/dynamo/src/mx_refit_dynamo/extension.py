@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from mx_refit.config import check_count
 from mx_refit.errors import FailedPrecondition, InvalidArgument
 from mx_refit_dynamo.mx_config import map_mx_config
 
@@ -70,8 +71,7 @@ class MxRefitWorkerExtension:
         Returns a small JSON-safe summary; callers that only see Dynamo's route rely on the
         raise instead, since that route discards return values.
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidArgument(f"version: expected an integer >= 0, got {version!r}")
+        check_count(version, "version", minimum=0)
         mapped = map_mx_config(mx_config, version=version, default_model=self._mx_refit_model_name())
         if mx_config is not None:
             self._mx_refit_init(mapped.init_info)

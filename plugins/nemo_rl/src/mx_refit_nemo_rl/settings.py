@@ -57,14 +57,11 @@ class EngineSettings:
 
 def parse_engine_kwargs(bucket_size: Any, kwargs: Mapping[str, Any]) -> EngineSettings:
     """Validate NeMo RL's constructor arguments; errors name the recipe field and the value."""
-    from mx_refit.config import load_config
+    from mx_refit.config import check_count, check_flag, load_config
 
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise InvalidArgument(f"bucket_size: {bucket_size!r} (expected a positive number of bytes)")
+    check_count(bucket_size, "bucket_size", minimum=1, setting=True)
     extra = dict(kwargs)
-    release = extra.pop("release_after_refit", False)
-    if not isinstance(release, bool):
-        raise InvalidArgument(f"{_WHERE}.release_after_refit: {release!r} (expected true or false)")
+    release = check_flag(extra.pop("release_after_refit", False), f"{_WHERE}.release_after_refit", setting=True)
     weight_sync = extra.pop("weight_sync", None)
     if extra:
         raise InvalidArgument(

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import torch
 
 import mx_refit
+from mx_refit.config import DEFAULT_SOURCE_TTL_S, check_count
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import MeshPosition, PublishedTensor, Role
 from mx_refit_vllm import BACKEND, SUPPORTED_VLLM, register
@@ -90,30 +91,16 @@ class MxTrainerInitInfo(TrainerInitInfo):
     ready_timeout_s: float = 300.0
     drain_timeout_s: float = 300.0
     update_timeout_s: float = 600.0
-    source_ttl_s: float = 30.0
+    source_ttl_s: float = DEFAULT_SOURCE_TTL_S
     worker: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise InvalidArgument(
-                f"MxTrainerInitInfo.world_size: expected an integer >= 1, got {self.world_size!r}"
-            )
-        if (
-            isinstance(self.rank, bool)
-            or not isinstance(self.rank, int)
-            or not 0 <= self.rank < self.world_size
-        ):
+        check_count(self.world_size, "MxTrainerInitInfo.world_size", minimum=1)
+        if check_count(self.rank, "MxTrainerInitInfo.rank", minimum=0) >= self.world_size:
             raise InvalidArgument(
                 f"MxTrainerInitInfo.rank: expected 0 <= rank < {self.world_size}, got {self.rank!r}"
             )
-        if (
-            isinstance(self.first_version, bool)
-            or not isinstance(self.first_version, int)
-            or self.first_version < 0
-        ):
-            raise InvalidArgument(
-                f"MxTrainerInitInfo.first_version: expected an integer >= 0, got {self.first_version!r}"
-            )
+        check_count(self.first_version, "MxTrainerInitInfo.first_version", minimum=0)
         if not isinstance(self.worker, dict):
             raise InvalidArgument(
                 f"MxTrainerInitInfo.worker: expected a dict, got {type(self.worker).__name__}"
