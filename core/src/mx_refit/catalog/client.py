@@ -47,6 +47,7 @@ from mx_refit.catalog.status import RETRYABLE, error_for
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
 from mx_refit.catalog.validation import check_name, check_token
+from mx_refit.checks import check_flag, check_seconds
 from mx_refit.errors import InvalidArgument, MxRefitError, Unavailable
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
@@ -540,12 +541,7 @@ class CatalogClient:
     def withdraw_replica(self, model: str, version: int, source_id: str, timeout_s: float) -> bool:
         """See :meth:`CatalogService.withdraw_replica`; long waits go in slices, like
         :meth:`wait_drained`."""
-        if (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, (int, float))
-            or not (math.isfinite(timeout_s) and timeout_s >= 0)
-        ):
-            raise InvalidArgument(f"timeout_s: must be a finite number of seconds >= 0, got {timeout_s!r}")
+        check_seconds(timeout_s, "timeout_s", allow_zero=True)
         deadline = time.monotonic() + timeout_s
         while True:
             wait = min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S)
@@ -560,8 +556,7 @@ class CatalogClient:
     def release_lease(self, lease_id: str, completed: bool = False) -> None:
         """See :meth:`CatalogService.release_lease`. A retry after a lost reply is a no-op on
         the catalog, so NotFound always means the lease was not held until now."""
-        if not isinstance(completed, bool):  # protobuf would coerce 0/1 silently
-            raise InvalidArgument(f"completed: must be a bool, got {completed!r}")
+        check_flag(completed, "completed")  # protobuf would coerce 0/1 silently
         self._call(
             "ReleaseLease", _request(pb.ReleaseLeaseRequest, lease_id=lease_id, completed=completed)
         )

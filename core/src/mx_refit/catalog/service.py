@@ -64,7 +64,8 @@ from mx_refit.catalog.validation import (
     check_seconds,
     merge_sidecar,
 )
-from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
+from mx_refit.checks import check_flag
+from mx_refit.errors import FailedPrecondition, NotFound
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
 __all__ = ["CatalogService", "ReapReport"]
@@ -453,8 +454,7 @@ class CatalogService(ReplicaCatalog, CatalogCore):
         completed read of the version (once). An expired lease counts nothing.
         """
         lease_id = check_name(lease_id, "lease_id")
-        if not isinstance(completed, bool):
-            raise InvalidArgument(f"completed: must be a bool, got {completed!r}")
+        check_flag(completed, "completed")
         def body(now: float) -> Any:
             lease = self._st.leases.get(lease_id)
             if lease is None:

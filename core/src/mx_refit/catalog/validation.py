@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mx_refit.checks import check_flag, check_name  # check_name: re-exported for the catalog
 from mx_refit.checksums import validate_checksums
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import (
@@ -63,13 +64,6 @@ class CatalogLimits:
     max_ttl_s: float = 24 * 3600.0
     max_wait_s: float = 3600.0  # longest single wait_drained call
     max_watched_sources: int = 1 << 16  # a heartbeat's watch_source_ids
-
-
-def check_name(value: object, field: str) -> str:
-    """A non-empty string (model names, ids)."""
-    if not isinstance(value, str) or not value:
-        raise InvalidArgument(f"{field}: must be a non-empty string, got {value!r}")
-    return value
 
 
 def check_int(value: object, field: str, *, minimum: int | None = None) -> int:
@@ -448,8 +442,7 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
                 f"source.tensors[{previous}] of source {source_id!r}"
             )
         clean.append(checked)
-    if not isinstance(source.ready, bool):
-        raise InvalidArgument(f"source.ready: must be a bool, got {source.ready!r}")
+    check_flag(source.ready, "source.ready")
     regions = _validate_regions(source.regions, clean, limits)
     cuda_ipc = validate_cuda_ipc(source.cuda_ipc, regions, clean)
     checksums = validate_checksums(source.checksums, clean)
