@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.checks import batches
     from mx_refit.config import WeightSyncConfig, load_config
     from mx_refit.megatron.classify import unsupported_bridge_mappings
-    from mx_refit.megatron.parallel import BridgedModel, is_publishing_rank, mesh_position
+    from mx_refit.megatron.parallel import BridgedModel, expected_sources, is_publishing_rank, mesh_position
     from mx_refit.plugins import Hooks
     from mx_refit.publisher import Publisher
     from mx_refit.receiver import Receiver, RefitResult
@@ -67,6 +67,7 @@ _LAZY = {
     "RefitResult": "mx_refit.receiver",
     "WeightSyncConfig": "mx_refit.config",
     "batches": "mx_refit.checks",
+    "expected_sources": "mx_refit.megatron.parallel",
     "is_publishing_rank": "mx_refit.megatron.parallel",
     "load_config": "mx_refit.config",
     "mesh_position": "mx_refit.megatron.parallel",
@@ -123,6 +124,7 @@ __all__ = [
     "WeightSyncConfig",
     "__version__",
     "batches",
+    "expected_sources",
     "hookimpl",
     "is_publishing_rank",
     "load_config",

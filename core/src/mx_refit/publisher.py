@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.transport.base import Transport
     from mx_refit.transport.nixl import NixlTransport
 
-__all__ = ["Publisher", "describe", "process_incarnation"]
+__all__ = ["Publisher", "describe", "mesh_source_id", "process_incarnation"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,14 @@ def describe(published: PublishedTensor) -> TensorDescriptor:
         device_id=int(tensor.device.index or 0) if tensor.is_cuda else 0,
         extras=dict(published.extras),
     )
+
+
+def mesh_source_id(model: str, mesh: MeshPosition) -> str:
+    """``model/tp0-pp0-ep0``: a source's id from its mesh position. The expert-TP rank is added
+    (``-etp1``) when expert TP differs from TP: then two publishing ranks may share (tp, pp, ep)
+    and differ only there (a rank that publishes only its expert shards)."""
+    etp = f"-etp{mesh.etp_rank}" if mesh.etp_size and mesh.etp_size != mesh.tp_size else ""
+    return f"{model}/tp{mesh.tp_rank}-pp{mesh.pp_rank}-ep{mesh.ep_rank}{etp}"
 
 
 class Publisher:
@@ -139,9 +147,7 @@ class Publisher:
         self._fenced_until = 0.0  # monotonic: no mutation before (the catalog lost our leases)
         self.expected_sources = expected_sources
         # Stable per mesh position, so a restarted rank replaces its own entry.
-        self.source_id = source_id or (
-            f"{model}/tp{self.mesh.tp_rank}-pp{self.mesh.pp_rank}-ep{self.mesh.ep_rank}"
-        )
+        self.source_id = source_id or mesh_source_id(model, self.mesh)
         self.client: Catalog = as_catalog(catalog, token=token)
         self._owns_client = isinstance(catalog, str)  # made here from an address: closed here
         self.hooks = hooks or Hooks()

@@ -77,7 +77,12 @@ class VersionState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class MeshPosition:
-    """A rank's place in the (tp, pp, ep) mesh of the publishing job."""
+    """A rank's place in the (tp, pp, ep, etp) mesh of the publishing job.
+
+    ``etp_rank``/``etp_size``: the expert-tensor-parallel position, which splits expert tensors
+    and may differ from TP (Megatron's ``expert_tensor_parallel_size``). ``etp_size=0`` means
+    "not given": expert tensors (if any) are split like the dense ones, by TP.
+    """
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -85,16 +90,22 @@ class MeshPosition:
     pp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 0
 
     def validate(self) -> None:
         """Raise :class:`~mx_refit.errors.InvalidArgument` naming the first bad field."""
         from mx_refit.errors import InvalidArgument
 
-        for axis in ("tp", "pp", "ep"):
+        for axis in ("tp", "pp", "ep", "etp"):
             rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
             for name, value in ((f"{axis}_rank", rank), (f"{axis}_size", size)):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise InvalidArgument(f"mesh.{name}: must be an integer, got {value!r}")
+            if axis == "etp" and size == 0:  # not given
+                if rank:
+                    raise InvalidArgument(f"mesh.etp_rank: must be 0 when etp_size is 0, got {rank}")
+                continue
             if size < 1:
                 raise InvalidArgument(f"mesh.{axis}_size: must be >= 1, got {size}")
             if not 0 <= rank < size:

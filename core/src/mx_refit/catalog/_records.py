@@ -180,9 +180,9 @@ class VersionRecord:
         )
 
 
-def _mesh_order(source: SourceInfo) -> tuple[int, int, int, str]:
+def _mesh_order(source: SourceInfo) -> tuple[int, int, int, int, str]:
     mesh = source.mesh
-    return (mesh.pp_rank, mesh.ep_rank, mesh.tp_rank, source.source_id)
+    return (mesh.pp_rank, mesh.ep_rank, mesh.tp_rank, mesh.etp_rank, source.source_id)
 
 
 def index_tensors(index: TensorIndex, source: SourceInfo) -> None:

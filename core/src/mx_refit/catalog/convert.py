@@ -135,6 +135,8 @@ def mesh_to_proto(mesh: MeshPosition) -> pb.MeshPosition:
         pp_size=mesh.pp_size,
         ep_rank=mesh.ep_rank,
         ep_size=mesh.ep_size,
+        etp_rank=mesh.etp_rank,
+        etp_size=mesh.etp_size,
     )
 
 
@@ -147,6 +149,8 @@ def mesh_from_proto(msg: pb.MeshPosition) -> MeshPosition:
         pp_size=msg.pp_size,
         ep_rank=msg.ep_rank,
         ep_size=msg.ep_size,
+        etp_rank=msg.etp_rank,
+        etp_size=msg.etp_size,
     )
 
 

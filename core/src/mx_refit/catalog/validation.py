@@ -396,7 +396,7 @@ def _geometry_problem(
 def _validate_mesh(mesh: object) -> MeshPosition:
     if not isinstance(mesh, MeshPosition):
         raise InvalidArgument(f"source.mesh: expected a MeshPosition, got {type(mesh).__name__}")
-    fields = ("tp_rank", "tp_size", "pp_rank", "pp_size", "ep_rank", "ep_size")
+    fields = ("tp_rank", "tp_size", "pp_rank", "pp_size", "ep_rank", "ep_size", "etp_rank", "etp_size")
     clean = MeshPosition(**{f: check_int(getattr(mesh, f), f"source.mesh.{f}") for f in fields})
     try:
         clean.validate()
@@ -571,8 +571,9 @@ def _validate_regions(
 
 
 def describe_mesh(mesh: MeshPosition) -> str:
-    """``tp 0/2, pp 1/4, ep 0/1`` for error messages."""
+    """``tp 0/2, pp 1/4, ep 0/1`` (and ``, etp 0/1`` when given) for error messages."""
+    etp = f", etp {mesh.etp_rank}/{mesh.etp_size}" if mesh.etp_size else ""
     return (
         f"tp {mesh.tp_rank}/{mesh.tp_size}, pp {mesh.pp_rank}/{mesh.pp_size}, "
-        f"ep {mesh.ep_rank}/{mesh.ep_size}"
+        f"ep {mesh.ep_rank}/{mesh.ep_size}{etp}"
     )

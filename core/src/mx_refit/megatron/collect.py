@@ -25,7 +25,7 @@ from mx_refit.megatron.parallel import ParallelContext, unwrap_model
 from mx_refit.megatron.sidecar import bridge_mapping_kinds, build_sidecar, conversion_tasks
 from mx_refit.types import PublishedTensor
 
-__all__ = ["collect_for_publish", "collect_megatron_tensors", "to_published"]
+__all__ = ["collect_for_publish", "collect_megatron_tensors", "publishing_share", "to_published"]
 
 
 def _assert_in_place(item: ClassifiedParam, params: Mapping[str, Any]) -> None:
@@ -72,7 +72,8 @@ def collect_megatron_tensors(
 ) -> list[PublishedTensor]:
     """This rank's native shards of ``model`` (a module or a list of chunks), in place.
 
-    ``overrides`` is a ``RoleOverrides`` registry or a config list of override dicts. With
+    Keeps only what this rank publishes (:func:`publishing_share`). ``overrides`` is a
+    ``RoleOverrides`` registry or a config list of override dicts. With
     ``bridge`` (an ``AutoBridge``) or precomputed ``tasks``, roles come from Megatron-Bridge's
     mappings (computing tasks is a PP collective: call on every rank together); otherwise from
     Megatron-Core's parallel attributes.
@@ -84,8 +85,21 @@ def collect_megatron_tensors(
         tasks = conversion_tasks(bridge, model)
     if tasks is not None:
         kinds = bridge_mapping_kinds(tasks)
+    ctx = ctx or ParallelContext.from_parallel_state()
     items = classify_model(model, overrides=overrides, bridge_kinds=kinds, ctx=ctx)
-    return to_published(items, model)
+    return to_published(publishing_share(items, ctx), model)
+
+
+def publishing_share(items: Sequence[ClassifiedParam], ctx: ParallelContext) -> list[ClassifiedParam]:
+    """What this rank publishes (see ``is_publishing_rank``): its dense shards when it is the
+    first data-parallel replica of its (tp, pp) position, its expert shards when it is the first
+    expert-data-parallel replica of its (etp, ep, pp) position; nothing otherwise."""
+    if ctx.publishes_dense and ctx.publishes_experts:
+        return list(items)
+    return [
+        item for item in items
+        if (ctx.publishes_experts if "expert_id" in item.extras else ctx.publishes_dense)
+    ]
 
 
 def collect_for_publish(

@@ -53,20 +53,24 @@ VERSION_STATE_RETIRED: VersionState
 VERSION_STATE_EXPIRED: VersionState
 
 class MeshPosition(_message.Message):
-    __slots__ = ("tp_rank", "tp_size", "pp_rank", "pp_size", "ep_rank", "ep_size")
+    __slots__ = ("tp_rank", "tp_size", "pp_rank", "pp_size", "ep_rank", "ep_size", "etp_rank", "etp_size")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EP_RANK_FIELD_NUMBER: _ClassVar[int]
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ETP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ETP_SIZE_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     tp_size: int
     pp_rank: int
     pp_size: int
     ep_rank: int
     ep_size: int
-    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ...) -> None: ...
+    etp_rank: int
+    etp_size: int
+    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., etp_rank: _Optional[int] = ..., etp_size: _Optional[int] = ...) -> None: ...
 
 class TensorDescriptor(_message.Message):
     __slots__ = ("name", "dtype", "global_shape", "local_shape", "addr", "nbytes", "role", "shard_axis", "shard_offset", "mem_type", "device_id", "extras_json")
