@@ -102,7 +102,10 @@ def test_demo_device_cuda_without_cuda():
     ("argv", "config", "needles"),
     [
         (["--source-tp", "3"], {}, ["--source-tp 3", "num_attention_heads=4"]),
-        (["--source-tp", "4"], {}, ["--source-tp 4", "num_key_value_heads=2"]),
+        (["--source-tp", "2"], {"num_attention_heads": 12, "num_key_value_heads": 3},
+         ["--source-tp 2", "num_key_value_heads=3"]),
+        (["--source-ep", "2", "--source-dp", "1"], {"num_experts": 4}, ["--source-dp 1", "etp x ep = 2"]),
+        (["--source-etp", "0"], {}, ["--source-etp 0 must be >= 1"]),
         (["--source-pp", "3"], {}, ["--source-pp 3", "num_hidden_layers=2"]),
         (["--source-ep", "2"], {}, ["--source-ep 2", "dense"]),
         (["--source-ep", "3"], {"num_experts": 4}, ["--source-ep 3", "num_experts=4"]),
@@ -118,6 +121,15 @@ def test_verify_layout_mistakes_are_caught_from_config_json(tmp_path, argv, conf
     one_line_error(out, EXIT_USAGE, *needles)
     assert out.stdout == ""
     assert time.monotonic() - started < QUICK_S
+
+
+@pytest.mark.parametrize("source_tp", [4, 8])
+def test_kv_groups_fewer_than_source_tp_are_accepted(source_tp):
+    # Megatron-Core accepts KV groups that divide TP (each rank holds one group, replicated).
+    from mx_refit.preflight import check_layouts
+
+    config = {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    check_layouts(config, source_tp=source_tp, targets=[(1, 1), (2, 1)])
 
 
 def test_verify_without_config_json_or_weights(tmp_path):

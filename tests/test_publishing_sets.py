@@ -112,3 +112,47 @@ def test_mesh_etp_is_validated() -> None:
         MeshPosition(etp_rank=2, etp_size=2).validate()
     with pytest.raises(InvalidArgument, match=r"^mesh.etp_rank: must be 0 when etp_size is 0"):
         MeshPosition(etp_rank=1).validate()
+
+
+def test_a_version_whose_sources_leave_a_gap_is_refused_before_ready(mx_catalog, mx_model_name) -> None:
+    # Two sources at one TP position (the ETP bug's symptom: a shard published twice, its
+    # neighbour never) through the real catalog and NIXL: the mark that would make the version
+    # READY is refused, naming the tensor and the missing rows; nothing becomes READY.
+    import torch
+
+    from mx_refit.catalog.client import CatalogClient
+    from mx_refit.errors import FailedPrecondition
+    from mx_refit.types import PublishedTensor, Role
+
+    client = CatalogClient(mx_catalog)
+    ranks = [mx_refit.Publisher(client, mx_model_name, mesh=MeshPosition(tp_rank=r, tp_size=2), expected_sources=2)
+             for r in range(2)]
+    try:
+        whole = PublishedTensor("norm", torch.ones(4), Role.REPLICATED)
+        ranks[0].publish(1, [PublishedTensor("w", torch.zeros(2, 3), Role.COLUMN, (4, 3), 0, 0), whole])
+        with pytest.raises(FailedPrecondition, match=r"cannot cover every byte .*w: dim 0 \[2, 4\) of 4 published by no "
+                                                      rf"source \(shards: \[0, 2\) by {mx_model_name}/tp0-pp0-ep0, \[0, 2\)"):
+            ranks[1].publish(1, [PublishedTensor("w", torch.ones(2, 3), Role.COLUMN, (4, 3), 0, 0), whole])
+        with pytest.raises(TimeoutError, match=r"PENDING, 1/2 sources ready"):
+            ranks[0].wait_ready(1, timeout_s=0.3)
+        # The same ranks publishing both halves: READY.
+        ranks[0].publish(2, [PublishedTensor("w", torch.zeros(2, 3), Role.COLUMN, (4, 3), 0, 0), whole])
+        ranks[1].publish(2, [PublishedTensor("w", torch.ones(2, 3), Role.COLUMN, (4, 3), 0, 2), whole])
+        ranks[0].wait_ready(2, timeout_s=30)
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
+def test_version_gaps_names_unpublished_names_of_the_name_map() -> None:
+    from mx_refit.layout.coverage import version_gaps
+    from mx_refit.types import SourceInfo, TensorDescriptor
+
+    desc = TensorDescriptor("decoder.final_layernorm.weight", "float32", (4,), (4,), 0, 16)
+    source = SourceInfo("m/tp0-pp0-ep0", MeshPosition(), "a", b"", (desc,))
+    sidecar = {"megatron.config": {"tie_word_embeddings": True},
+               "megatron.hf_map": {"decoder.final_layernorm.weight": {"hf": ["model.norm.weight"]},
+                                   "decoder.layers.1.mlp.experts.linear_fc2.weight3": {"hf": ["x"]},
+                                   "output_layer.weight": {"hf": ["lm_head.weight"]}}}
+    assert version_gaps([source], sidecar) == [
+        ("decoder.layers.1.mlp.experts.linear_fc2.weight3", "listed in the Megatron name map but published by no source")]

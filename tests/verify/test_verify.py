@@ -4,8 +4,8 @@ tensor is compared with the checkpoint's safetensors bytes.
 
 The CI subset below is chosen so each source layout is built once and received by several target
 layouts (the expensive part is starting Megatron ranks). Together the cells cover: source TP
-{1,2,4}, PP 2, EP 2; target TP {1,2,4} (narrower, matched, wider), target EP 2; GQA with fewer KV
-heads than source and than target ranks; MHA; qkv bias; q/k norm; MoE; tied embeddings; a
+{1,2,4}, PP 2, EP 2, expert TP 1 under TP 2; target TP {1,2,4} (narrower, matched, wider), target
+EP 2; GQA with fewer KV heads than source and than target ranks; MHA; qkv bias; q/k norm; MoE; tied embeddings; a
 vocabulary not divisible by TP; a bf16 checkpoint (Float16Module-wrapped ranks); the CLI contract
 (JSON on stdout, exit codes). The rest of the
 matrix is marked ``slow`` (``pytest -m slow tests/layout/test_verify.py``).
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 KEYS = {"tensors", "identical", "mismatched", "missing", "bytes_pulled", "bytes_needed", "bytes_by_role"}
 
 
-def check(summary: dict, *, source_tp: int, target_tp: int, target_ep: int = 1) -> None:
+def check(summary: dict, *, source_tp: int, target_tp: int, target_ep: int = 1, source_etp: int | None = None) -> None:
     assert set(summary) == KEYS, summary.get("error", summary)
     assert summary["tensors"] > 0
     assert summary["identical"] == summary["tensors"], summary
@@ -40,8 +40,11 @@ def check(summary: dict, *, source_tp: int, target_tp: int, target_ep: int = 1) 
     assert summary["bytes_needed"] == sum(n for _, n in summary["bytes_by_role"].values())
     for role, (pulled, needed) in summary["bytes_by_role"].items():
         # Bytes on the wire = bytes needed, except the column blocks of row-parallel tensors for a
-        # wider target TP (experts are received whole when the target uses EP).
-        wider = target_tp > source_tp and (role == "row" or (role == "expert_row" and target_ep == 1))
+        # wider target TP (experts are received whole when the target uses EP; experts are split
+        # by expert TP at the source).
+        etp = source_tp if source_etp is None else source_etp
+        wider = (role == "row" and target_tp > source_tp) or (role == "expert_row" and target_ep == 1
+                                                               and target_tp > etp)
         if wider:
             assert pulled >= needed, (role, pulled, needed)
         else:
@@ -49,12 +52,13 @@ def check(summary: dict, *, source_tp: int, target_tp: int, target_ep: int = 1) 
 
 
 def verify(tiny_hf, kind: str, source: tuple[int, int, int], targets: list[tuple[int, int]],
-           *, full_tensors: bool = False, receiver_procs: int | None = 1) -> dict:
-    run = VerifyRun(str(tiny_hf(kind)), *source, targets=tuple(targets), full_tensors=full_tensors,
-                    receiver_procs=receiver_procs, timeout_s=540)
+           *, full_tensors: bool = False, receiver_procs: int | None = 1, etp: int | None = None,
+           dp: int | None = None) -> dict:
+    run = VerifyRun(str(tiny_hf(kind)), *source, source_etp=etp, source_dp=dp, targets=tuple(targets),
+                    full_tensors=full_tensors, receiver_procs=receiver_procs, timeout_s=540)
     results = run_verify(run)
     for (tp, ep), summary in results.items():
-        check(summary, source_tp=source[0], target_tp=1 if full_tensors else tp, target_ep=ep)
+        check(summary, source_tp=source[0], target_tp=1 if full_tensors else tp, target_ep=ep, source_etp=etp)
     return results
 
 
@@ -78,6 +82,13 @@ def test_moe_source_ep2_to_target_tp_ep(tiny_hf, bridge) -> None:
 def test_qwen2_tied_bias_padded_vocab_source_tp4(tiny_hf, bridge) -> None:
     # vocab 131 padded by Megatron at TP 4; 2 KV heads < source TP 4 (QKV rows cut through groups).
     verify(tiny_hf, "qwen2", (4, 1, 1), [(1, 1), (2, 1)])
+
+
+def test_moe_etp1_source_tp2_ep2(tiny_hf, bridge) -> None:
+    # Expert TP 1 under TP 2 x EP 2 (2 ranks): each rank publishes its dense TP shard and its
+    # 4 experts whole (expert_column/expert_row unsplit); both targets get every byte.
+    results = verify(tiny_hf, "qwen3_moe", (2, 1, 2), [(1, 1), (2, 1)], etp=1)
+    assert {"expert_column", "expert_row"} <= set(results[(1, 1)]["bytes_by_role"])
 
 
 def test_qwen3_qk_norm_source_pp2_to_target_tp4(tiny_hf, bridge) -> None:
@@ -145,6 +156,21 @@ def test_slow_bf16_checkpoint(tiny_hf, bridge) -> None:
 @pytest.mark.parametrize("source", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2)])
 def test_slow_moe_matrix(tiny_hf, bridge, source: tuple[int, int, int]) -> None:
     verify(tiny_hf, "qwen3_moe", source, [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", [(4, 1, 2), (2, 2, 2)], ids=["tp4-ep2-etp1", "tp2-pp2-ep2-etp1"])
+def test_slow_moe_etp1(tiny_hf, bridge, source: tuple[int, int, int]) -> None:
+    # TP 4 x EP 2 x ETP 1 (4 ranks): ranks 2 and 3 publish dense shards only (the expert mesh is
+    # ranks 0-1, replicated on 2-3). TP 2 x PP 2 x EP 2 x ETP 1: the same per stage.
+    verify(tiny_hf, "qwen3_moe", source, [(1, 1), (2, 1)], etp=1)
+
+
+@pytest.mark.slow
+def test_slow_gqa_two_kv_heads_source_tp8(tiny_hf, bridge) -> None:
+    # 8 query heads, 2 KV groups at TP 8: every rank holds one query head and one KV group, each
+    # group replicated on 4 ranks (TP 4 is test_slow_dense_tp_matrix[llama_gqa-4]).
+    verify(tiny_hf, "llama_gqa", (8, 1, 1), [(1, 1), (2, 1)])
 
 
 @pytest.mark.slow

@@ -76,11 +76,15 @@ def _field(config: Mapping[str, Any], *keys: str) -> tuple[str, int] | None:
 
 
 def check_layouts(config: Mapping[str, Any], *, source_tp: int = 1, source_pp: int = 1, source_ep: int = 1,
+                  source_etp: int | None = None, source_dp: int | None = None,
                   targets: Iterable[tuple[int, int]] = ((1, 1),), flag_prefix: str = "--") -> None:
-    """Heads and KV heads against TP, layers against PP, experts against EP.
+    """Heads and KV heads against TP, layers against PP, experts against EP, the expert mesh
+    against the data-parallel size.
 
-    Megatron (the source) needs ``heads % tp == 0`` and ``kv_heads % tp == 0``; an inference
-    worker (the target) may also replicate KV heads, so there ``tp % kv_heads == 0`` is fine too.
+    Megatron-Core (the source) needs ``heads % tp == 0`` and KV groups that are a multiple or a
+    divisor of TP (with fewer groups than ranks each rank holds one group, replicated); so does
+    an inference worker (the target). ``tp * dp`` ranks per pipeline stage must hold whole
+    expert meshes (``etp * ep``); ``source_dp=None`` leaves the data-parallel size to the caller.
     """
     heads = _field(config, "num_attention_heads", "n_head")
     kv = _field(config, "num_key_value_heads", "num_query_groups") or heads
@@ -93,8 +97,8 @@ def check_layouts(config: Mapping[str, Any], *, source_tp: int = 1, source_pp: i
 
     if heads and heads[1] % source_tp:
         raise clash("source-tp", source_tp, heads, "does not divide")
-    if kv and kv[1] % source_tp:
-        raise clash("source-tp", source_tp, kv, "does not divide")
+    if kv and kv[1] % source_tp and source_tp % kv[1]:
+        raise clash("source-tp", source_tp, kv, "neither divides nor is a multiple of")
     if layers and layers[1] % source_pp:
         raise clash("source-pp", source_pp, layers, "does not divide")
     if source_ep > 1 and not (experts and experts[1] > 0):
@@ -102,6 +106,12 @@ def check_layouts(config: Mapping[str, Any], *, source_tp: int = 1, source_pp: i
                               f"none of {', '.join(_EXPERT_KEYS)}); use --source-ep 1")
     if experts and experts[1] > 0 and experts[1] % source_ep:
         raise clash("source-ep", source_ep, experts, "does not divide")
+    etp = source_tp if source_etp is None else source_etp
+    if source_dp is not None and (source_tp * source_dp) % (etp * source_ep):
+        raise InvalidArgument(
+            f"{p}source-dp {source_dp}: tp x dp = {source_tp * source_dp} ranks per pipeline stage do not hold "
+            f"whole expert meshes of etp x ep = {etp * source_ep} ranks (Megatron needs tp x dp divisible by "
+            "etp x ep)")
     for tp, ep in targets:
         if heads and heads[1] % tp:
             raise clash("target-tp", tp, heads, "does not divide")

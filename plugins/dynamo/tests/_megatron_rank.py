@@ -20,7 +20,7 @@ class MegatronRank:
     """A TP rank's process group, model and Publisher; the model is built on the first publish."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from mx_refit import Publisher, mesh_position
+        from mx_refit import Publisher, expected_sources, mesh_position
         from mx_refit.verify.harness import init_distributed, init_model_parallel
 
         init_distributed(args.rank, args.world, init_method=args.dist_init)
@@ -30,7 +30,7 @@ class MegatronRank:
             args.catalog,
             args.model_name,
             mesh=mesh_position(),
-            expected_sources=args.world,
+            expected_sources=expected_sources(mesh=mesh_position()),  # the core's rule (= TP here)
             expected_readers=args.readers,
         )
         self.model = None

@@ -1,7 +1,8 @@
 """One NeMo RL Megatron policy rank (core venv: real megatron-core + Megatron-Bridge, gloo, CPU).
 
 The rank builds a real Megatron GPT model from an HF checkpoint through Megatron-Bridge at TP=2
-and wraps it in the reproduced policy worker (``_nemo_rl_contract.MegatronPolicyWorker``), whose
+(TP = the world; ``--ep``/``--etp`` for a MoE checkpoint's expert mesh) and wraps it in the
+reproduced policy worker (``_nemo_rl_contract.MegatronPolicyWorker``), whose
 ``checkpoint_engine_rpc`` the tests drive exactly as NeMo RL's synchronizer does.
 
 Protocol: ``("rpc", (checkpoint_method, method_kwargs))``; ``("prepare_refit_info", None)``;
@@ -29,13 +30,13 @@ from mx_refit.testing.procs import open_child, rank_arguments, serve  # noqa: E4
 class PolicyRank:
     """A TP rank's process group, Megatron model (through Megatron-Bridge) and policy worker."""
 
-    def __init__(self, rank: int, world: int, dist_init: str, hf_dir: str) -> None:
+    def __init__(self, rank: int, world: int, dist_init: str, hf_dir: str, ep: int = 1, etp: int | None = None) -> None:
         from _harness import build_model_from_hf, init_distributed, init_model_parallel
         from _nemo_rl_contract import MegatronPolicyWorker
 
         init_distributed(rank, world, init_method=dist_init)
-        init_model_parallel(tp=world)
-        self.bridged = build_model_from_hf(hf_dir, tp=world)
+        init_model_parallel(tp=world, ep=ep, etp=etp)
+        self.bridged = build_model_from_hf(hf_dir, tp=world, ep=ep, etp=etp)
         (self.chunk,) = self.bridged.model_chunks
         self.worker = MegatronPolicyWorker(rank=rank, model=self.chunk, bridge=self.bridged.bridge, cfg={})
         self.worker.new_mapping_type = False
@@ -120,9 +121,12 @@ class PolicyRank:
 def main() -> None:
     parser = rank_arguments()
     parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
     args = parser.parse_args()
     opened = open_child(
-        args.listen, lambda: PolicyRank(args.rank, args.world, args.dist_init, args.hf_dir), rank=args.rank
+        args.listen, lambda: PolicyRank(args.rank, args.world, args.dist_init, args.hf_dir, args.ep, args.etp),
+        rank=args.rank,
     )
     if opened is None:
         return

@@ -20,7 +20,7 @@ class MegatronTrainer:
     """A TP rank's process group and Publisher; every published model stays alive until drained."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from mx_refit.megatron.parallel import mesh_position
+        from mx_refit.megatron.parallel import expected_sources, mesh_position
         from mx_refit.publisher import Publisher
         from mx_refit.verify.harness import init_distributed, init_model_parallel
 
@@ -28,7 +28,7 @@ class MegatronTrainer:
         init_model_parallel(tp=args.world)
         self.tp = args.world
         self.publisher = Publisher(
-            args.catalog, args.model_name, mesh=mesh_position(), expected_sources=args.world
+            args.catalog, args.model_name, mesh=mesh_position(), expected_sources=expected_sources(mesh=mesh_position())
         )
         self.keep: list[object] = []
 

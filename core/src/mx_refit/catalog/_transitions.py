@@ -159,6 +159,22 @@ class CatalogCore:
             )
         return rec
 
+    def _refuse_gaps_locked(self, rec: VersionRecord, marked: SourceInfo) -> None:
+        """Refuse the mark that would make ``rec`` READY when its sources leave bytes of some
+        tensor unpublished (:func:`mx_refit.layout.coverage.version_gaps`), naming them."""
+        others = [s for sid, s in rec.sources.items() if sid != marked.source_id]
+        if len(others) + 1 != rec.expected_sources or not all(s.ready for s in others):
+            return
+        from mx_refit.layout.coverage import describe_gaps, version_gaps
+
+        gaps = version_gaps([*others, marked], rec.sidecar)
+        if gaps:
+            raise FailedPrecondition(
+                f"{rec.label}: its {rec.expected_sources} sources cannot cover every byte it publishes, so it "
+                f"will not become READY ({len(gaps)} gap(s): {describe_gaps(gaps)}); check the publishing ranks "
+                "and expected_sources (mx_refit.expected_sources for a Megatron job)"
+            )
+
     def _maybe_ready_locked(self, rec: VersionRecord) -> None:
         if (
             rec.state is VersionState.PENDING

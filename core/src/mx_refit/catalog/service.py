@@ -196,7 +196,9 @@ class CatalogService(ReplicaCatalog, CatalogCore):
                     f"(registered: {', '.join(sorted(rec.sources)) or 'none'})"
                 )
             if rec.state is VersionState.PENDING:
-                rec.sources[source_id] = replace(src, ready=True)
+                marked = replace(src, ready=True)
+                self._refuse_gaps_locked(rec, marked)  # before any change: a refusal leaves it PENDING
+                rec.sources[source_id] = marked
                 self._maybe_ready_locked(rec)
             elif rec.state is not VersionState.READY:
                 raise FailedPrecondition(

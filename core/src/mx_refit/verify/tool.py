@@ -2,12 +2,17 @@
 
 ::
 
-    mx-refit verify --hf-dir DIR --source-tp T --source-pp P --source-ep E --target-tp T2
-                    [--target-ep E2] [--device cpu|cuda] [--full-tensors] --json
+    mx-refit verify --hf-dir DIR --source-tp T --source-pp P --source-ep E [--source-etp X]
+                    [--source-dp D] --target-tp T2 [--target-ep E2] [--device cpu|cuda]
+                    [--full-tensors] --json
 
-1. ``T*P*E`` trainer processes (one per Megatron rank; gloo on CPU, NCCL on GPU) load the
-   checkpoint into a Megatron-Core model through Megatron-Bridge and publish their NATIVE shards
-   in place with the core ``Publisher`` (classifier + sidecar from ``mx_refit.megatron``);
+1. ``T*P*D`` trainer processes (one per Megatron rank; gloo on CPU, NCCL on GPU) load the
+   checkpoint into a Megatron-Core model through Megatron-Bridge; the publishing ranks
+   (``mx_refit.is_publishing_rank``: the first data-parallel replica of each dense position and
+   the first expert-data-parallel replica of each expert position) publish their NATIVE shards
+   in place with the core ``Publisher`` (classifier + sidecar from ``mx_refit.megatron``).
+   Expert TP ``X`` defaults to ``T``; ``D`` defaults to the smallest data-parallel size the
+   expert mesh fits in (``lcm(T, X*E) / T``: ``E`` when ``X == T``);
 2. receivers for the target layout (one process per target rank, ``T2*E2``) refit through the
    real catalog (``start_embedded``) and NIXL with the core ``Receiver``;
 3. every HF tensor a receiver materialises is compared with the checkpoint's own safetensors
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -41,7 +47,7 @@ from typing import Any
 from mx_refit.types import TargetLayout
 from mx_refit.verify.expect import checkpoint_dtype, checkpoint_index, compare_received, expected_windows
 
-__all__ = ["VerifyRun", "add_verify_arguments", "run_verify", "verify_from_args", "verify_main"]
+__all__ = ["VerifyRun", "add_verify_arguments", "default_dp", "run_verify", "verify_from_args", "verify_main"]
 
 VERSION = 1
 
@@ -54,6 +60,8 @@ class VerifyRun:
     source_tp: int = 1
     source_pp: int = 1
     source_ep: int = 1
+    source_etp: int | None = None  # None: expert TP = TP (Megatron's default)
+    source_dp: int | None = None  # None: the smallest that fits the expert mesh (default_dp)
     targets: tuple[tuple[int, int], ...] = ((1, 1),)  # (target TP, target EP)
     device: str = "cpu"
     full_tensors: bool = False
@@ -62,8 +70,29 @@ class VerifyRun:
     role_overrides: tuple[dict[str, Any], ...] = ()  # config overrides, on top of the plugins'
 
     @property
+    def etp(self) -> int:
+        return self.source_tp if self.source_etp is None else self.source_etp
+
+    @property
+    def dp(self) -> int:
+        return default_dp(self.source_tp, self.source_ep, self.etp) if self.source_dp is None else self.source_dp
+
+    @property
     def world(self) -> int:
-        return self.source_tp * self.source_pp * self.source_ep
+        return self.source_tp * self.source_pp * self.dp
+
+    @property
+    def publishers(self) -> int:
+        """How many of the ranks publish (the core rule, ``mx_refit.expected_sources``)."""
+        from mx_refit.megatron.parallel import expected_sources
+
+        return expected_sources(self.source_tp, self.source_pp, self.source_ep, self.etp)
+
+
+def default_dp(tp: int, ep: int, etp: int) -> int:
+    """The smallest data-parallel size whose ``tp * dp`` ranks per stage hold the expert mesh
+    (``etp * ep`` must divide them): ``ep`` when ``etp == tp``, as verify always ran."""
+    return math.lcm(tp, etp * ep) // tp
 
 
 # ----------------------------------------------------------------------------- processes
@@ -104,22 +133,25 @@ def _source_rank(rank: int, run: VerifyRun, init_method: str, address: str, mode
         )
 
         init_distributed(rank, run.world, init_method=init_method, device=run.device, timeout_s=run.timeout_s)
-        init_model_parallel(run.source_tp, run.source_pp, run.source_ep)
+        init_model_parallel(run.source_tp, run.source_pp, run.source_ep, run.etp)
         dtype = getattr(torch, checkpoint_dtype(run.hf_dir))
         built = build_model_from_hf(run.hf_dir, tp=run.source_tp, pp=run.source_pp, ep=run.source_ep,
-                                    device=run.device, dtype=dtype)
+                                    etp=run.etp, device=run.device, dtype=dtype)
         hooks = Hooks()
         hooks.configure({"role_overrides": list(run.role_overrides)})
         overrides = hooks.role_overrides()
-        tensors, sidecar = collect_for_publish(built.bridge, built.model, overrides)
+        tensors, sidecar = collect_for_publish(built.bridge, built.model, overrides)  # every rank: a PP collective
         ctx = ParallelContext.from_parallel_state()
-        publisher = Publisher(address, model, mesh=ctx.mesh(), expected_sources=run.world,
-                              ttl_s=max(30.0, run.timeout_s))
-        publisher.publish(VERSION, tensors, sidecar=sidecar)
-        results.put(("published", rank, {"tensors": len(tensors),
+        publisher = None
+        if ctx.publishes:
+            publisher = Publisher(address, model, mesh=ctx.mesh(), expected_sources=run.publishers,
+                                  ttl_s=max(30.0, run.timeout_s))
+            publisher.publish(VERSION, tensors, sidecar=sidecar)
+        results.put(("published", rank, {"tensors": len(tensors),  # none on a rank that does not publish
                                           "bytes": sum(t.tensor.numel() * t.tensor.element_size() for t in tensors)}))
         commands.get(timeout=run.timeout_s)  # keep the shards alive until the receivers are done
-        publisher.close()
+        if publisher is not None:
+            publisher.close()
         destroy_distributed()
     except BaseException as exc:  # never leave the parent waiting
         results.put(("error", f"source rank {rank}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -262,8 +294,9 @@ def run_verify(run: VerifyRun, log: Callable[[str], None] | None = None) -> dict
     procs: list[Any] = list(sources)
     summaries: dict[tuple[int, int], dict[str, Any]] = {}
     started = time.perf_counter()
-    log(f"verify {run.hf_dir}: source tp={run.source_tp} pp={run.source_pp} ep={run.source_ep} "
-        f"({run.world} ranks) -> targets {list(run.targets)}; catalog {server.address}")
+    log(f"verify {run.hf_dir}: source tp={run.source_tp} pp={run.source_pp} ep={run.source_ep} etp={run.etp} "
+        f"dp={run.dp} ({run.world} ranks, {run.publishers} publishing) -> targets {list(run.targets)}; "
+        f"catalog {server.address}")
     try:
         for proc in sources:
             proc.start()
@@ -307,6 +340,11 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source-tp", type=int, default=1, help="trainer tensor parallel size")
     parser.add_argument("--source-pp", type=int, default=1, help="trainer pipeline parallel size")
     parser.add_argument("--source-ep", type=int, default=1, help="trainer expert parallel size")
+    parser.add_argument("--source-etp", type=int, default=None,
+                        help="trainer expert tensor parallel size (default: --source-tp)")
+    parser.add_argument("--source-dp", type=int, default=None,
+                        help="trainer data parallel size; world = tp x pp x dp (default: the smallest that holds "
+                             "the expert mesh, lcm(tp, etp x ep) / tp)")
     parser.add_argument("--target-tp", type=int, default=1, help="receiver tensor parallel size")
     parser.add_argument("--target-ep", type=int, default=1, help="receiver expert parallel size")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where shards and arenas live")
@@ -342,11 +380,13 @@ def verify_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
 
     try:  # everything config.json can tell, before any process starts
         preflight.check_counts(source_tp=args.source_tp, source_pp=args.source_pp, source_ep=args.source_ep,
+                               source_etp=args.source_etp, source_dp=args.source_dp,
                                target_tp=args.target_tp, target_ep=args.target_ep,
                                receiver_procs=args.receiver_procs)
         config = preflight.read_hf_config(args.hf_dir)
         preflight.check_layouts(config, source_tp=args.source_tp, source_pp=args.source_pp,
-                                source_ep=args.source_ep, targets=[(args.target_tp, args.target_ep)])
+                                source_ep=args.source_ep, source_etp=args.source_etp, source_dp=args.source_dp,
+                                targets=[(args.target_tp, args.target_ep)])
     except InvalidArgument as exc:
         return fail(str(exc))
     preflight.require_megatron_stack()  # MissingExtra names the extra to install
@@ -367,7 +407,8 @@ def verify_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
         overrides = tuple(loaded)
     run = VerifyRun(
         hf_dir=os.path.abspath(args.hf_dir), source_tp=args.source_tp, source_pp=args.source_pp,
-        source_ep=args.source_ep, targets=((args.target_tp, args.target_ep),), device=args.device,
+        source_ep=args.source_ep, source_etp=args.source_etp, source_dp=args.source_dp,
+        targets=((args.target_tp, args.target_ep),), device=args.device,
         full_tensors=args.full_tensors, receiver_procs=args.receiver_procs, timeout_s=args.timeout,
         role_overrides=overrides,
     )

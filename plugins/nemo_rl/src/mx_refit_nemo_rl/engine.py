@@ -123,7 +123,9 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
     def init_policy_process_group(
         self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
     ) -> None:
-        """Build this rank's publisher (one data-parallel replica publishes)."""
+        """Build this rank's publisher: on the first data-parallel replica of each dense position
+        and the first expert-data-parallel replica of each expert position (``is_publishing_rank``),
+        expecting as many sources as the core's rule counts (``mx_refit.expected_sources``)."""
         import mx_refit
 
         self._require_prepared("init_policy_process_group")
@@ -134,7 +136,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
             self._publisher = mx_refit.Publisher.from_config(
                 self.config,
                 mesh=mesh,
-                expected_sources=mesh.tp_size * mesh.pp_size * mesh.ep_size,
+                expected_sources=mx_refit.expected_sources(mesh=mesh),
                 catalog=self._address,
                 transport=self._transport,
             )
