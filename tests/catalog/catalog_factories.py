@@ -106,7 +106,8 @@ def tp_source(rank: int, size: int, *, ready: bool = False) -> SourceInfo:
         f"tp{rank}",
         tp_rank=rank,
         tp_size=size,
-        tensors=(column_shard("qkv", rank, size), desc("norm", global_shape=(4,), addr=0x90)),
+        # At least one row per rank: the catalog refuses a version whose shards leave rows unpublished.
+        tensors=(column_shard("qkv", rank, size, rows=max(8, size)), desc("norm", global_shape=(4,), addr=0x90)),
         ready=ready,
     )
 
