@@ -16,7 +16,7 @@ from mx_refit.catalog.store.base import CatalogState, CatalogStore, Txn
 from mx_refit.catalog.store.memory import MemoryStore
 from mx_refit.catalog.validation import CatalogLimits, check_int, check_name
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
-from mx_refit.types import VersionState
+from mx_refit.types import SourceInfo, VersionState
 
 __all__ = ["LIVE", "TERMINAL", "CatalogCore", "check_ids", "check_lookup"]
 

@@ -4,8 +4,8 @@ hooks (:mod:`mx_refit.megatron.plugin`).
 
 The helpers a Megatron training loop uses are reachable from here (``from mx_refit.megatron
 import BridgedModel, mesh_position, is_publishing_rank, ParallelContext, ...``); the three a
-publishing loop needs most (``BridgedModel``, ``mesh_position``, ``is_publishing_rank``) are
-also on the package root. Import-light: these load on first access (PEP 562), and megatron and
+publishing loop needs most (``BridgedModel``, ``mesh_position``, ``is_publishing_rank``,
+``expected_sources``) are also on the package root. Import-light: these load on first access (PEP 562), and megatron and
 torch only when a function needs them.
 """
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.megatron.parallel import (
         BridgedModel,
         ParallelContext,
+        expected_sources,
         innermost_module,
         is_publishing_rank,
         mesh_position,
@@ -36,6 +37,7 @@ _LAZY = {
     "collect_for_publish": "mx_refit.megatron.collect",
     "collect_megatron_tensors": "mx_refit.megatron.collect",
     "conversion_tasks": "mx_refit.megatron.sidecar",
+    "expected_sources": "mx_refit.megatron.parallel",
     "innermost_module": "mx_refit.megatron.parallel",
     "is_publishing_rank": "mx_refit.megatron.parallel",
     "mesh_position": "mx_refit.megatron.parallel",
@@ -66,6 +68,7 @@ __all__ = [
     "collect_for_publish",
     "collect_megatron_tensors",
     "conversion_tasks",
+    "expected_sources",
     "innermost_module",
     "is_publishing_rank",
     "mesh_position",
