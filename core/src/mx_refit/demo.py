@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any
 
+from mx_refit.checks import AUTO, TRANSPORT_MODES
+
 __all__ = ["add_demo_arguments", "demo_main", "synthetic_llama"]
 
 MODEL_NAME = "demo-llama"
@@ -245,7 +247,7 @@ def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print,
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where tensors live (default cpu)")
     parser.add_argument("--cycles", type=int, default=3, help="refit cycles (default 3)")
-    parser.add_argument("--transport", choices=("auto", "nixl", "cuda_ipc"), default="auto",
+    parser.add_argument("--transport", choices=TRANSPORT_MODES, default=AUTO,
                         help="weight_sync.transport: per-source choice (auto), or force one path")
     parser.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     parser.add_argument(

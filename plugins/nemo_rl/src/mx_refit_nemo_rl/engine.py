@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mx_refit import batches
+from mx_refit.config import STANDALONE
 from mx_refit.errors import FailedPrecondition, InvalidArgument
 from mx_refit_nemo_rl import owner as owners
 from mx_refit_nemo_rl.fallback import HfStage, fallback_reasons
@@ -111,7 +112,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self.side = self._find_side()
         self._transport = mx_refit.shared_transport()  # one NIXL agent per process
         meta: dict[str, Any] = {"side": self.side, "model": self.config.model_name, "catalog": None}
-        if self.config.catalog.mode == "standalone":
+        if self.config.catalog.mode == STANDALONE:
             self._address = self.config.catalog.address
         elif self.side == POLICY and self._policy_rank() == 0:
             if self._catalog_server is None:
@@ -313,7 +314,7 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def _catalog_address(self, metadata: list[Any]) -> str:
-        if self.config.catalog.mode == "standalone":
+        if self.config.catalog.mode == STANDALONE:
             assert self.config.catalog.address is not None  # validated by load_config
             return self.config.catalog.address
         ours = [m[_METADATA_KEY] for m in metadata if isinstance(m, dict) and _METADATA_KEY in m]
