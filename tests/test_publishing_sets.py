@@ -133,7 +133,9 @@ def test_a_version_whose_sources_leave_a_gap_is_refused_before_ready(mx_catalog,
         with pytest.raises(FailedPrecondition, match=r"cannot cover every byte .*w: dim 0 \[2, 4\) of 4 published by no "
                                                       rf"source \(shards: \[0, 2\) by {mx_model_name}/tp0-pp0-ep0, \[0, 2\)"):
             ranks[1].publish(1, [PublishedTensor("w", torch.ones(2, 3), Role.COLUMN, (4, 3), 0, 0), whole])
-        with pytest.raises(TimeoutError, match=r"PENDING, 1/2 sources ready"):
+        # Both sources are registered, one is ready: the other rank's wait points at the refusal.
+        with pytest.raises(TimeoutError, match=r"PENDING, 1/2 sources ready; every source registered: .*leave "
+                                               r"bytes unpublished"):
             ranks[0].wait_ready(1, timeout_s=0.3)
         # The same ranks publishing both halves: READY.
         ranks[0].publish(2, [PublishedTensor("w", torch.zeros(2, 3), Role.COLUMN, (4, 3), 0, 0), whole])

@@ -335,6 +335,11 @@ class Publisher:
                     f"{summary.state.value}, {summary.ready_sources}/{summary.expected_sources} sources ready"
                     if summary is not None else "not registered"
                 )
+                if summary is not None and summary.registered_sources == summary.expected_sources:
+                    # Every rank registered, some never became ready: a publish failed after
+                    # registering, e.g. the catalog refused sources that leave bytes unpublished.
+                    seen += ("; every source registered: a rank's publish failed after registering (the catalog "
+                             "refuses a version whose sources leave bytes unpublished; that rank's error names them)")
                 raise TimeoutError(
                     f"version {version} of {self.model!r} not READY after {timeout_s:g}s ({seen})"
                 )
