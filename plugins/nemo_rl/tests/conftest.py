@@ -33,6 +33,11 @@ NOT_RUN = [
     "vLLM 0.25.1 (NeMo RL's pin): the rollout side runs vLLM 0.33's model objects",
     "real FP8 parameters (build_export_fp8_tasks) and an EAGLE drafter in vLLM: the fallback cases "
     "check the engine's decision and the bytes of NeMo RL's stream",
+    "ModelOpt's quantizer folding (nvidia-modelopt, NeMo RL's quantisation worker) and Bridge 0.7's "
+    "Qwen3-Next / Nemotron-H models: the quant_cfg and new-mapping-type cases check the decision "
+    "(before the generator is touched, the same on every rank) and the stream path",
+    "a GPU vLLM worker's arena: on CPU the default arena_device (worker) resolves to vLLM's CPU "
+    "device; the cuda:N resolution is checked on torch.device values",
 ]
 
 
