@@ -69,7 +69,7 @@ def trainer_proc(conn: Any, address: str, model: str, nbytes: int) -> None:
 
 
 def receiver_proc(conn: Any, address: str, model: str, nbytes: int) -> None:
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
 
     receivers = {
         "none": Receiver(address, model, fanout="none", lease_ttl_s=120),

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "src"))
 
 from mx_refit.catalog import CatalogClient, CatalogServer, CatalogService, convert
 from mx_refit.catalog.v1 import catalog_pb2 as pb
-from mx_refit.receiver import _layout_key
+from mx_refit.receive.plans import layout_key as _layout_key
 from mx_refit.types import MeshPosition, Role, SourceInfo, TargetLayout, TensorDescriptor
 
 MODEL = "bench"

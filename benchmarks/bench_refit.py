@@ -103,7 +103,7 @@ def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_
 def receiver_proc(address: str, device: str, cmd_q, res_q, transport: str = "auto") -> None:
     import torch
 
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
 
     try:
         index = 1 if device == "cuda" and torch.cuda.device_count() > 1 else 0

@@ -337,7 +337,7 @@ def worker_main(index: int, cfg: RunConfig, cmd_q: Any, res_q: Any) -> None:
     def body() -> None:
         import torch
 
-        from mx_refit.receiver import Receiver
+        from mx_refit.receive.receiver import Receiver
 
         dev = cfg.worker_device(index)
         if cfg.device == "cuda":

@@ -91,7 +91,7 @@ def trainer(conn, address: str, model: str, tp: int, layers: int = 2, hidden: in
 def receiver(conn, address: str, model: str, kwargs: dict[str, Any], target: Any = None) -> None:
     """One inference worker: ``refit`` commands answer (version, replicas read, seconds,
     tensors); ``wall`` answers the refit's wall-clock start and end (for the benchmark)."""
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
 
     try:
         rec = Receiver(address, model, target=target, **kwargs)

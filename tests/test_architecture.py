@@ -16,6 +16,9 @@ PLUGIN_SRCS = sorted(p for p in (ROOT / "plugins").glob("*/src") if p.is_dir())
 FRONT_DOOR = {"mx_refit", "mx_refit.hookspecs", "mx_refit.types", "mx_refit.errors", "mx_refit.config"}
 # What the pure receive planner may import besides itself.
 LAYOUT_MAY_IMPORT = {"mx_refit.types", "mx_refit.errors", "mx_refit.plan", "mx_refit.ranges"}
+# What sits above the receive side (it builds on receive/; receive/ never imports it).
+ABOVE_RECEIVE = ("mx_refit.publisher", "mx_refit.megatron", "mx_refit.verify", "mx_refit.demo", "mx_refit.cli",
+                 "mx_refit.testing")
 
 
 def _module_name(path: Path, base: Path) -> str:
@@ -83,6 +86,28 @@ def test_layout_is_pure():
     bad = _violations(layout, lambda dst: _under(dst, "mx_refit") and not _under(dst, "mx_refit.layout")
                       and dst not in LAYOUT_MAY_IMPORT)
     assert not bad, bad
+
+
+def test_receive_imports_nothing_above_it():
+    """receive/ builds on catalog/, transport/, plan and the kernel; never on the front door, the
+    publisher, megatron/ or the tools."""
+    receive = [m for m in _core_graph() if _under(m, "mx_refit.receive")]
+    assert {"mx_refit.receive.receiver", "mx_refit.receive.cycle", "mx_refit.receive.lease"} <= set(receive)
+    bad = _violations(receive, lambda dst: dst == "mx_refit" or any(_under(dst, top) for top in ABOVE_RECEIVE))
+    assert not bad, bad
+
+
+def test_only_the_front_door_and_the_tools_import_receive():
+    """The receive side is reached through ``mx_refit.Receiver`` (the package root) and by the
+    tools (demo, cli, verify, testing); no other part of the core reaches into it."""
+    outside = [m for m in _core_graph() if not _under(m, "mx_refit.receive")]
+    allowed = ("mx_refit.demo", "mx_refit.cli", "mx_refit.verify", "mx_refit.testing")
+    bad = _violations(
+        [m for m in outside if m != "mx_refit" and not any(_under(m, top) for top in allowed)],
+        lambda dst: _under(dst, "mx_refit.receive"),
+    )
+    assert not bad, bad
+    assert "mx_refit.receive.receiver" in _core_graph()["mx_refit"]  # the walker sees the front door's arrow
 
 
 def test_catalog_never_imports_transport():

@@ -23,7 +23,7 @@ from mx_refit.layout.planner import plan_receive
 from mx_refit.plugins import Hooks
 from mx_refit.publisher import Publisher
 from mx_refit.ranges import coalesce
-from mx_refit.receiver import Receiver
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import BlockChecksums, TargetLayout
 from tests import _checksum_source
 from tests.layout import _planner_harness

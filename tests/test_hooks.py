@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mx_refit import hookimpl
 from mx_refit.catalog.client import CatalogClient
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound
 from mx_refit.plan import plan_full_tensors
 from mx_refit.plugins import Hooks
 from mx_refit.publisher import Publisher
-from mx_refit.receiver import Receiver
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import MeshPosition, PublishedTensor, RefitStats, Role, TargetLayout
 
 

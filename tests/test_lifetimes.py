@@ -9,7 +9,7 @@ import torch
 
 from mx_refit.errors import FailedPrecondition, TransferError
 from mx_refit.publisher import Publisher
-from mx_refit.receiver import Receiver
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import PublishedTensor
 
 pytestmark = pytest.mark.timeout(180)

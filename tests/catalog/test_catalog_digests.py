@@ -22,7 +22,7 @@ from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
 from mx_refit.catalog.validation import json_text
 from mx_refit.errors import InvalidArgument
-from mx_refit.receiver import _layout_key
+from mx_refit.receive.plans import layout_key as _layout_key
 from mx_refit.types import (
     MeshPosition,
     Role,

@@ -6,7 +6,6 @@ the call), and end to end with a real ``Publisher`` and ``Receiver`` (NIXL, UCX 
 from __future__ import annotations
 
 import time
-
 from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
@@ -172,7 +171,7 @@ class _CountingService(CatalogService):
 
 def test_a_refit_waits_for_one_catalog_round_trip_and_releases_after(mx_model_name: str) -> None:
     from mx_refit.publisher import Publisher
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
     from mx_refit.types import PublishedTensor
 
     service = _CountingService()
@@ -208,7 +207,7 @@ def test_a_refit_waits_for_one_catalog_round_trip_and_releases_after(mx_model_na
 
 def test_a_catalog_that_only_offers_the_two_steps_still_refits(mx_model_name: str) -> None:
     from mx_refit.publisher import Publisher
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
     from mx_refit.types import PublishedTensor
 
     service = _CountingService()

@@ -141,7 +141,7 @@ def test_wait_read_over_grpc_times_out_with_progress_and_validates(
 def test_publisher_wait_read_with_real_receivers(mx_catalog: str, mx_model_name: str) -> None:
     """A driverless cycle: the publisher waits for both readers, then retires and drains."""
     from mx_refit.publisher import Publisher
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
     from mx_refit.types import PublishedTensor
 
     tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(3)}

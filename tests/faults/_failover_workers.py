@@ -196,7 +196,7 @@ def _killing_transport(name: str):
 def run_reader(args: argparse.Namespace) -> None:
     from mx_refit import hookimpl
     from mx_refit.plugins import Hooks
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
 
     failures: list[str] = []
 
@@ -257,7 +257,7 @@ def run_reader(args: argparse.Namespace) -> None:
 def replica(catalog: str, cmd: dict) -> None:
     """Zygote child: a receiver with tree fan-out that pulls ``cmd["version"]`` and then offers
     its arena as a replica source of it, alive (heart-beating) until killed."""
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
 
     rec = Receiver(catalog, cmd["model"], fanout="tree", lease_ttl_s=10.0)
     rec.refit(cmd["version"])
@@ -271,7 +271,7 @@ def doomed_reader(catalog: str, cmd: dict) -> None:
     ``cmd["version"]``: ``before-lease`` (discovered, no lease), ``leased`` (lease held, nothing
     read), ``mid-pull`` (its READ posted and in flight), ``pulled`` (every byte in, not released).
     Its NIXL agent is made only when a read needs it (the first two points never read)."""
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
     from mx_refit.transport.nixl import NixlTransport
     from mx_refit.transport.routing import RoutingTransport
 
@@ -351,7 +351,7 @@ def run_soak_trainer(args: argparse.Namespace) -> None:
 def run_soak_reader(args: argparse.Namespace) -> None:
     """Refit every version in turn and check every tensor against every version stamp."""
     from mx_refit.errors import FailedPrecondition, NotFound
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
 
     rec = Receiver(args.catalog, args.model, lease_ttl_s=args.lease_ttl, transfer_timeout_s=args.transfer_timeout)
     emit({"event": "ready", "pid": os.getpid()})

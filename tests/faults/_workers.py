@@ -88,7 +88,7 @@ def run_zygote(args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (mx_refit imports it lazily: a child would pay seconds for it)
 
     import mx_refit.publisher  # noqa: F401  (warm imports: grpc, the catalog client)
-    import mx_refit.receiver  # noqa: F401
+    import mx_refit.receive.receiver  # noqa: F401
     from mx_refit.plugins import Hooks
     from mx_refit.transport.nixl_agent import load_nixl
 
@@ -141,7 +141,7 @@ def child_publish(catalog: str, cmd: dict) -> None:
 
 
 def run_reader(args: argparse.Namespace) -> None:
-    from mx_refit.receiver import Receiver
+    from mx_refit.receive.receiver import Receiver
     from mx_refit.transport.nixl import NixlTransport
 
     class GatedTransport(NixlTransport):

@@ -8,7 +8,7 @@ import torch
 from mx_refit.catalog.client import CatalogClient
 from mx_refit.errors import InvalidArgument
 from mx_refit.publisher import Publisher
-from mx_refit.receiver import Receiver
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import MeshPosition, PublishedTensor, SourceInfo, VersionState
 
 

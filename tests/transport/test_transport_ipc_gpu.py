@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mx_refit.errors import ChecksumMismatch, TransferError  # noqa: E402
-from mx_refit.receiver import Receiver  # noqa: E402
+from mx_refit.receive.receiver import Receiver  # noqa: E402
 from tests import _gpu_trainer  # noqa: E402
 
 pytestmark = [

@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.megatron.parallel import BridgedModel, expected_sources, is_publishing_rank, mesh_position
     from mx_refit.plugins import Hooks
     from mx_refit.publisher import Publisher
-    from mx_refit.receiver import Receiver, RefitResult
+    from mx_refit.receive.receiver import Receiver, RefitResult
     from mx_refit.transport import shared_transport
 
 # Front-door names resolved on first access, so `import mx_refit` stays light.
@@ -63,8 +63,8 @@ _LAZY = {
     "CatalogServer": "mx_refit.catalog.server",
     "Hooks": "mx_refit.plugins",
     "Publisher": "mx_refit.publisher",
-    "Receiver": "mx_refit.receiver",
-    "RefitResult": "mx_refit.receiver",
+    "Receiver": "mx_refit.receive.receiver",
+    "RefitResult": "mx_refit.receive.receiver",
     "WeightSyncConfig": "mx_refit.config",
     "batches": "mx_refit.checks",
     "expected_sources": "mx_refit.megatron.parallel",

@@ -26,7 +26,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mx_refit.checks import (
     AUTO,
@@ -47,6 +47,9 @@ from mx_refit.checks import (
 )
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import Role
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.catalog.api import Catalog
 
 __all__ = [
     # the settings' defaults (one place: the schema, the constructors and the plugins use these)
@@ -78,6 +81,7 @@ __all__ = [
     "WeightSyncConfig",
     "as_dict",
     "catalog_address",
+    "catalog_argument",
     "load_config",
     "load_recipe",
     "validate",
@@ -229,6 +233,18 @@ def catalog_address(cfg: WeightSyncConfig) -> str | None:
     """The catalog address clients dial: ``catalog.address`` (always set for ``standalone``; for
     ``embedded`` once the process that started it filled it in), else ``None``."""
     return cfg.catalog.address
+
+
+def catalog_argument(cfg: WeightSyncConfig, catalog: "str | Catalog | None") -> "str | Catalog":
+    """The catalog a ``from_config`` constructor hands on: the caller's, else the config's address."""
+    if catalog is not None:
+        return catalog
+    if cfg.catalog.address:
+        return cfg.catalog.address
+    raise InvalidArgument(
+        "weight_sync.catalog.address: None; with catalog.mode 'embedded' start the catalog first "
+        "(mx_refit.start_catalog(config=cfg) fills it in) or pass catalog=..."
+    )
 
 
 # ----------------------------------------------------------------------------- the loader

@@ -126,7 +126,7 @@ def _receiver(address: str, device: str, commands: Any, results: Any, transport:
         import torch
 
         from mx_refit._logsetup import configure_child
-        from mx_refit.receiver import Receiver
+        from mx_refit.receive.receiver import Receiver
 
         configure_child()
         dev = f"cuda:{torch.cuda.device_count() - 1}" if device == "cuda" else "cpu"

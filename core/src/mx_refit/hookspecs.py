@@ -243,7 +243,7 @@ def mx_refit_refit_failed(model: str, version: int | None, error: BaseException)
     :param model: The model name.
     :param version: The version being refitted, or ``None`` when none was found (discovery
         failed or timed out).
-    :param error: The exception, which :meth:`~mx_refit.receiver.Receiver.refit` re-raises
+    :param error: The exception, which :meth:`~mx_refit.Receiver.refit` re-raises
         after every implementation ran.
     Called in the receiving worker, after the lease was released.
 

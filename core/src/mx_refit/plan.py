@@ -1,7 +1,7 @@
 """Receive plans: which bytes of which sources land where, and how they become HF tensors.
 
 :class:`ReceivePlan` is the contract between planners (the built-in full-tensor planner below,
-the Megatron layout engine in :mod:`mx_refit.layout`) and the :class:`~mx_refit.receiver.Receiver`.
+the Megatron layout engine in :mod:`mx_refit.layout`) and the :class:`~mx_refit.Receiver`.
 """
 
 from __future__ import annotations

@@ -155,7 +155,11 @@ class Publisher:
         self.expected_readers = expected_readers
         self.drain_timeout_s = drain_timeout_s
         self._published: list[torch.Tensor] = []  # deregistered on close from a shared transport
-        self.transport = _routing(transport, transport_mode, f"mx-pub-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        from mx_refit.transport.routing import RoutingTransport
+
+        self.transport: Transport = RoutingTransport.wrap(
+            transport, transport_mode, name=f"mx-pub-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
         self._owns_transport = self.transport is not transport  # ours (a given one stays open)
         self._last_published: int | None = None
         self._last_drained: int | None = None
@@ -185,7 +189,7 @@ class Publisher:
             started with ``start_catalog(config=cfg)``) with ``cfg.catalog.token``.
         :param overrides: Any other constructor argument (they win over the config).
         """
-        from mx_refit.config import as_dict
+        from mx_refit.config import as_dict, catalog_argument
 
         kwargs: dict[str, Any] = {
             "mesh": mesh,
@@ -204,7 +208,7 @@ class Publisher:
 
             kwargs["hooks"] = Hooks(allow=cfg.plugins)
         kwargs["hooks"].configure(as_dict(cfg))
-        return cls(_catalog_from_config(cfg, catalog), kwargs.pop("model", cfg.model_name), **kwargs)
+        return cls(catalog_argument(cfg, catalog), kwargs.pop("model", cfg.model_name), **kwargs)
 
     def _beat(self) -> None:
         try:
@@ -511,26 +515,3 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _routing(transport: Any, mode: str, name: str) -> "Transport":
-    """The routing transport to use: a new one, the one given, or one wrapped around a given
-    NIXL transport (the wrapper is ours; the NIXL transport stays its owner's)."""
-    from mx_refit.transport.routing import RoutingTransport
-
-    if transport is None:
-        return RoutingTransport(mode, name=name)
-    if isinstance(transport, RoutingTransport):
-        return transport
-    return RoutingTransport(mode, nixl=transport)
-
-
-def _catalog_from_config(cfg: "WeightSyncConfig", catalog: "str | Catalog | None") -> "str | Catalog":
-    """The catalog argument of ``from_config``: the caller's, else the config's address."""
-    if catalog is not None:
-        return catalog
-    if cfg.catalog.address:
-        return cfg.catalog.address
-    raise InvalidArgument(
-        "weight_sync.catalog.address: None; with catalog.mode 'embedded' start the catalog first "
-        "(mx_refit.start_catalog(config=cfg) fills it in) or pass catalog=..."
-    )

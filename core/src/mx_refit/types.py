@@ -219,7 +219,7 @@ class SourceInfo:
     catalog whose store keeps nothing): once its publisher learns the catalog no longer knows
     it, it leaves its buffers untouched this long before mutating them. A reader whose lease
     TTL is at most every source's fence may then trust its lease's own deadline and release
-    without waiting for the catalog's answer (:mod:`mx_refit._lease`). 0: no promise (replicas).
+    without waiting for the catalog's answer (:mod:`mx_refit.receive.lease`). 0: no promise (replicas).
     """
 
     source_id: str

@@ -9,8 +9,7 @@ arguments, return types and :mod:`mx_refit.errors` exceptions. No grpc import he
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,7 +17,7 @@ from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TTL_S", "Catalog", "LeasedVersion", "LeasingCatalog", "ReadProgress",
-    "VersionSummary", "overlaps_lease",
+    "VersionSummary",
 ]
 
 # Default TTL of sources and leases; heartbeat at a third of it or more often.
@@ -175,21 +174,14 @@ class LeasingCatalog(Catalog, Protocol):
         min_version: int = 0,
         ttl_s: float = DEFAULT_TTL_S,
         lease_id: str | None = None,
+        *,
+        while_waiting: Callable[[], None] | None = None,
     ) -> LeasedVersion:
         """:meth:`get_version` and :meth:`acquire_lease` atomically: the exact READY ``version``,
         or the newest READY one >= ``min_version``, leased for ``reader_id``. A retry with the
-        same ``lease_id`` renews that lease and answers its version again."""
+        same ``lease_id`` renews that lease and answers its version again.
+
+        ``while_waiting``: work of the caller's, run once per call while the reply is on its way
+        (a remote client) or first (an in-process catalog); its error is the caller's."""
         ...
 
-
-def overlaps_lease(catalog: object) -> bool:
-    """Whether ``catalog.lease_version`` takes ``while_waiting=`` (work run while the reply is
-    on its way, as :class:`~mx_refit.catalog.client.CatalogClient` does); False for catalogs
-    that just answer (the in-process service, adapters) or that cannot say."""
-    method = getattr(catalog, "lease_version", None)
-    if method is None:
-        return False
-    try:
-        return "while_waiting" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False

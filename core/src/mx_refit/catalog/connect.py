@@ -5,12 +5,21 @@ grpc loads only when an address has to be dialled; an in-process service needs n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, overload
+
 from mx_refit.catalog.api import Catalog
 from mx_refit.errors import InvalidArgument
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mx_refit.catalog.client import CatalogClient
 
 __all__ = ["as_catalog"]
 
 
+@overload
+def as_catalog(catalog: str, *, token: str | None = None) -> "CatalogClient": ...
+@overload
+def as_catalog(catalog: Catalog, *, token: str | None = None) -> Catalog: ...
 def as_catalog(catalog: str | Catalog, *, token: str | None = None) -> Catalog:
     """The catalog a publisher or receiver talks to.
 

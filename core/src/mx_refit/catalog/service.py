@@ -40,7 +40,7 @@ fan-out replicas; :mod:`._records` the records and the deadline heap.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -406,14 +406,19 @@ class CatalogService(ReplicaCatalog, CatalogCore):
         min_version: int = 0,
         ttl_s: float = DEFAULT_TTL_S,
         lease_id: str | None = None,
+        *,
+        while_waiting: Callable[[], None] | None = None,
     ) -> LeasedVersion:
         """:meth:`get_version` and :meth:`acquire_lease` in one atomic step: the exact READY
         ``version`` or the newest READY one >= ``min_version``, leased for ``reader_id`` (a
         lease naming no sources: every trainer source, as readers without fan-out take).
 
         A retry with the same ``lease_id`` renews that lease and answers its version again,
-        even when a newer version turned READY in between.
+        even when a newer version turned READY in between. ``while_waiting`` runs first (in
+        process there is no reply to wait for).
         """
+        if while_waiting is not None:
+            while_waiting()
         manifest, leased = self.lease_manifest(model, reader_id, version, min_version, ttl_s, lease_id)
         return LeasedVersion(manifest.version_info(), leased)
 

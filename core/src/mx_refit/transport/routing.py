@@ -15,11 +15,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mx_refit.errors import InvalidArgument, TransferError
 from mx_refit.ranges import RegionIndex
-from mx_refit.transport.base import CUDA_IPC, NIXL, PathChoice, ReadReport, check_mode, local_node, select_path
+from mx_refit.transport.base import (
+    CUDA_IPC, NIXL, PathChoice, ReadReport, Transport, check_mode, local_node, select_path,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -99,6 +101,17 @@ class RoutingTransport:
         self.descriptors_posted = 0  # NIXL descriptors plus device copies
         self.handles_opened = 0
         self.last_read_s = 0.0  # wall time of the last read() (benchmarks split the pull with it)
+
+    @classmethod
+    def wrap(cls, transport: "Transport | NixlTransport | None", mode: str, *, name: str) -> "RoutingTransport":
+        """The routing transport a Publisher or Receiver uses: a new one (NIXL agent ``name``),
+        the one given, or one wrapped around a given NIXL transport (the wrapper is the
+        caller's; the NIXL transport stays its owner's)."""
+        if transport is None:
+            return cls(mode, name=name)
+        if isinstance(transport, RoutingTransport):
+            return transport
+        return cls(mode, nixl=cast("NixlTransport", transport))
 
     # ------------------------------------------------------------------ parts
     @property

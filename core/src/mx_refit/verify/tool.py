@@ -164,7 +164,7 @@ def _receiver_proc(targets: list[TargetLayout], run: VerifyRun, address: str, mo
     _stdout_to_stderr()
     configure_child()
     try:
-        from mx_refit.receiver import Receiver
+        from mx_refit.receive.receiver import Receiver
 
         for target in targets:
             device = "cpu"

@@ -1,6 +1,6 @@
 """mx-refit hook implementations for vLLM workers (entry point ``mx_refit: vllm``).
 
-Lets any :class:`mx_refit.receiver.Receiver` built with ``engine=<vLLM model or mx engine>``
+Lets any :class:`mx_refit.Receiver` built with ``engine=<vLLM model or mx engine>``
 (e.g. by a Dynamo or NeMo RL integration) find the worker's target layout without knowing vLLM.
 """
 

@@ -136,7 +136,7 @@ def reroute(
     addresses)`` pairs and the pieces no live source holds, as ``(tensor name, first byte, end
     byte)`` within the tensor (``<source S at ADDR>`` for bytes outside every tensor).
     """
-    from mx_refit.fanout import holders as mirrored_holders
+    from mx_refit.receive.fanout import holders as mirrored_holders
 
     dead = set(dead)
     unnamed = {r.source_id for r in info.replicas} - set(replicas)

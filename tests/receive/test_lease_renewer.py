@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from mx_refit._lease import LeaseGuard, LeaseRenewer
 from mx_refit.catalog import CatalogService
 from mx_refit.errors import LeaseLost
+from mx_refit.receive.lease import LeaseGuard, LeaseRenewer
 from mx_refit.types import MeshPosition, SourceInfo, TensorDescriptor
 
 pytestmark = pytest.mark.timeout(60)

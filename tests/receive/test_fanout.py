@@ -16,8 +16,8 @@ import torch
 from mx_refit.catalog.client import CatalogClient
 from mx_refit.catalog.service import CatalogService
 from mx_refit.errors import FailedPrecondition, InvalidArgument, SourcesBusy
-from mx_refit.fanout import Copies, choose_sources, holders, replica_mirrors, replica_tensor_ranges, translate
-from mx_refit.receiver import Receiver
+from mx_refit.receive.fanout import Copies, choose_sources, holders, replica_mirrors, replica_tensor_ranges, translate
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import (
     MeshPosition,
     Mirror,

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mx_refit.publisher import Publisher
-from mx_refit.receiver import Receiver, _layout_key
+from mx_refit.receive.plans import layout_key as _layout_key
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import TargetLayout
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mx_refit.errors import FailedPrecondition, NotFound, TransferError
-from mx_refit.receiver import Receiver
+from mx_refit.receive.receiver import Receiver
 from tests import _trainer_proc
 
 pytestmark = pytest.mark.timeout(180)

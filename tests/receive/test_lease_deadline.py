@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from mx_refit._lease import LeaseGuard, LeaseRenewer
 from mx_refit.catalog import CatalogService
 from mx_refit.catalog.api import Catalog
 from mx_refit.errors import LeaseLost, NotFound
 from mx_refit.publisher import Publisher
-from mx_refit.receiver import Receiver
+from mx_refit.receive.lease import LeaseGuard, LeaseRenewer
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import MeshPosition, PublishedTensor, SourceInfo, TensorDescriptor
 
 pytestmark = pytest.mark.timeout(120)

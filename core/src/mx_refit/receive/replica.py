@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from mx_refit._heartbeat import Heartbeat
 from mx_refit.errors import FailedPrecondition, MxRefitError, NotFound
-from mx_refit.fanout import replica_mirrors
+from mx_refit.receive.fanout import replica_mirrors
 from mx_refit.types import MemType, MeshPosition, SourceInfo, TensorDescriptor
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,4 +1,4 @@
-"""The failover planner (``mx_refit.failover``): which live source holds a failed source's bytes,
+"""The failover planner (``mx_refit.receive.failover``): which live source holds a failed source's bytes,
 how its reads are re-planned, and how an abort names what nobody holds. Pure Python, hand-built
 manifests; the real-process cases are in ``tests/faults/test_failover_faults.py``."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from mx_refit.errors import TransferError
-from mx_refit.failover import HolderIndex, describe_ranges, in_source_space, pull_with_failover, reroute
 from mx_refit.plan import plan_full_tensors
 from mx_refit.ranges import coalesce
+from mx_refit.receive.failover import HolderIndex, describe_ranges, in_source_space, pull_with_failover, reroute
 from mx_refit.transport.base import ReadReport
 from mx_refit.types import (
     MeshPosition,

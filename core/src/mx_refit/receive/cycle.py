@@ -1,0 +1,275 @@
+"""One refit, phase by phase: find the version (and lease it, in discovery), plan, lease,
+pull, verify, release, then offer, materialise and load.
+
+:class:`RefitCycle` is the receiver's working part: it holds the receive arena and the cached
+plans across refits, runs each phase as one method, and times the phases with one stopwatch
+(``RefitStats.phase_seconds``). When the lease is taken is a :mod:`~mx_refit.receive.lease_order`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mx_refit.errors import TransferError
+from mx_refit.receive.lease_order import lease_order
+from mx_refit.receive.plans import PlanCache, region_edges
+from mx_refit.types import RefitStats, TargetLayout, VersionInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mx_refit.catalog.api import Catalog
+    from mx_refit.checksums import Verification
+    from mx_refit.plan import ReceivePlan
+    from mx_refit.plugins import Hooks
+    from mx_refit.receive.failover import FailoverPull
+    from mx_refit.receive.lease import LeaseGuard, LeaseRenewer
+    from mx_refit.receive.lease_order import Leased, Requests
+    from mx_refit.receive.options import ReceiveOptions
+    from mx_refit.receive.replica import ReplicaSource
+    from mx_refit.transport.base import Transport
+
+__all__ = ["RefitCycle", "RefitResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RefitResult:
+    """One completed refit. ``tensors`` are views of the receive arena: valid until the next
+    refit reuses it (engines copy them into their own parameters)."""
+
+    version: VersionInfo
+    plan: "ReceivePlan"
+    tensors: list[tuple[str, "torch.Tensor"]]
+    stats: RefitStats
+
+
+class Stopwatch:
+    """Wall seconds of each phase of one refit, in the order the phases ran:
+    ``with watch("plan"): ...``."""
+
+    __slots__ = ("_began", "_phase", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._phase = ""
+        self._began = 0.0
+
+    def __call__(self, phase: str) -> "Stopwatch":
+        self._phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        self._began = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds[self._phase] = time.perf_counter() - self._began
+
+
+class RefitCycle:
+    """Runs a receiver's refits; owns its receive arena and plan cache.
+
+    The parts (``client``, ``transport``, ``hooks``, ``target``, ``engine``, ``replica``) and the
+    ``options`` are read when a refit runs: the receiver's attributes are these."""
+
+    def __init__(
+        self,
+        options: "ReceiveOptions",
+        *,
+        client: "Catalog",
+        transport: "Transport",
+        hooks: "Hooks",
+        target: TargetLayout,
+        engine: Any,
+        replica: "ReplicaSource | None",
+        renewer: "LeaseRenewer",
+    ) -> None:
+        self.options = options
+        self.client = client
+        self.transport = transport
+        self.hooks = hooks
+        self.target = target
+        self.engine = engine
+        self.replica = replica
+        self.arena: "torch.Tensor | None" = None  # registered once, reused every cycle
+        self._plans = PlanCache()
+        self._order = lease_order(client, options, renewer, self.prime)
+
+    def run(self, version: int | None, min_version: int, wait_s: float, notify: bool, attempt: list[int]) -> RefitResult:
+        """One refit (see :meth:`mx_refit.Receiver.refit`); appends the version to ``attempt``
+        once found. Nothing reaches the engine unless the lease is confirmed held."""
+        watch = Stopwatch()
+        with watch("discover"):
+            info, lease = self._order.find(self.client, version, min_version, wait_s)
+        attempt.append(info.version)
+        try:
+            self._forget_departed(info)
+            with watch("plan"):
+                plan, requests, widening = self.plan(info)
+            registrations_before = self.transport.registrations
+            with watch("lease"):
+                leased = self.lease(info, requests, lease)
+            lease = leased.lease
+            with watch("heartbeat_start"):  # the renewals run already: the arena's allocation
+                arena = self._arena_for(widening.arena_bytes if widening else plan.arena_bytes)
+            with watch("pull"):
+                pulled_by = self.pull(leased, arena)
+            with watch("verify"):
+                blocks = self.verify(leased, arena, widening)
+        except BaseException:
+            if lease is not None:
+                lease.abandon()
+            raise
+        with watch("release"):
+            confirmed_by = self.release(leased)
+        with watch("materialize"):
+            if self.replica is not None:  # complete, confirmed (and verified): offer it to the next readers
+                self.replica.offer(leased.info.version, requests, arena)
+            tensors = list(plan.materialize(arena))
+        with watch("load"):
+            self.load(tensors)
+        stats = self._stats(leased, plan, tensors, pulled_by, blocks, confirmed_by, watch.seconds,
+                            self.transport.registrations - registrations_before)
+        if notify:
+            self.hooks.refit_done(stats)
+        log.info(
+            "refit %s v%d: %d tensors, %.1f MB in %.3fs (%.2f GB/s) over %s", stats.model, stats.version,
+            stats.tensors, stats.bytes_pulled / 1e6, stats.seconds, stats.gbps, stats.transport,
+        )
+        return RefitResult(version=leased.info, plan=plan, tensors=tensors, stats=stats)
+
+    # -- the phases, in order ---------------------------------------------------------------------
+    def _forget_departed(self, info: VersionInfo) -> None:
+        live = {s.source_id for s in info.sources}
+        for gone in self.transport.known_sources() - live:  # expired or replaced: close its handles
+            self.transport.forget(gone)
+
+    def plan(self, info: VersionInfo) -> "tuple[ReceivePlan, Requests, Verification | None]":
+        """The plan (cached by layout), the trainer sources' reads it needs (what the arena
+        mirrors, in their addresses; widened to whole blocks with checksums) and the widening."""
+        plan, requests = self._plans.plan(info, self.target, self.hooks)
+        if not self.options.checksums:
+            return plan, requests, None
+        widening = self._plans.widen(info, plan, requests)
+        return plan, widening.requests, widening
+
+    def lease(self, info: VersionInfo, requests: "Requests", held: "LeaseGuard | None") -> "Leased":
+        """The lease (held since discovery, or taken now naming where to read)."""
+        if held is None and self.replica is not None:
+            self.replica.withdraw()  # nobody reads the arena any more before it is written
+        return self._order.lease(self.client, info, requests, held)
+
+    def pull(self, leased: "Leased", arena: "torch.Tensor") -> "FailoverPull":
+        """Every planned byte into ``arena`` from the chosen holders; a holder that fails
+        mid-pull has its ranges read from another, or the pull fails naming it and the ranges
+        (:mod:`mx_refit.receive.failover`)."""
+        from mx_refit.receive.failover import pull_with_failover
+
+        info, lease, requests = leased.info, leased.lease, leased.requests
+        lease.watch_sources({*leased.sources, *(s.source_id for s in info.sources)})  # every holder failover may read
+        pulled = pull_with_failover(
+            self.transport, info, leased.sources, requests, arena, timeout_s=self.options.transfer_timeout_s,
+            abort_check=lease.check,  # a lost lease ends the pull at once
+            gone=lease.gone_sources,  # a source whose heartbeats stopped fails over at once
+            edges=region_edges, label=f"refit of model {self.options.model!r} version {info.version}",
+        )
+        moved = sum(pulled.report.nbytes.values())
+        expected = sum(n for ranges in requests.values() for _, _, n in ranges)
+        if moved != expected:
+            raise TransferError(f"pulled {moved} bytes but the plan needs {expected}")
+        return pulled
+
+    def verify(self, leased: "Leased", arena: "torch.Tensor", widening: "Verification | None") -> int:
+        """Every pulled block against its checksum, still under the lease: a reader whose bytes
+        fail is not a completed read (``wait_read`` keeps waiting for it), and the publisher's
+        buffers are still there for a retry of the same version. Returns the blocks verified."""
+        if widening is None:
+            return 0
+        from mx_refit.checksums import verify
+
+        return verify(arena, widening, {s.source_id: s for s in leased.info.sources})
+
+    def release(self, leased: "Leased") -> str:
+        """Every byte is in the arena: this reader is done with the publisher's buffers. The
+        lease is confirmed held until now (by the catalog's answer, or by its own deadline when
+        every source the pull may have read promised a fence), or LeaseLost: the bytes may have
+        been mutated under the pull, and nothing may reach the engine. Returns how it was
+        confirmed."""
+        fences = [s.lease_fence_s for s in (*leased.sources.values(), *leased.info.sources)]
+        return leased.lease.release(completed=True, fence_s=min(fences, default=0.0))
+
+    def load(self, tensors: list[tuple[str, "torch.Tensor"]]) -> None:
+        """Into the engine (if any), in batches of at most ``load_batch_bytes``."""
+        if self.engine is not None:
+            for batch in _batches(tensors, self.options.load_batch_bytes):
+                self.hooks.load_weights(self.engine, batch)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def prime(self) -> None:
+        """Ready the transport's next read into the arena (run while the catalog answers)."""
+        prime = getattr(self.transport, "prime", None)
+        if prime is None or self.arena is None:
+            return
+        try:
+            prime(self.arena)
+        except Exception as exc:  # an optimisation only: the read does the setup itself
+            log.debug("receiver %s: priming the read failed: %s", self.options.reader_id, exc)
+
+    def _arena_for(self, nbytes: int) -> "torch.Tensor":
+        """The receive arena: registered once, reused every cycle, grown only when needed."""
+        import torch
+
+        if self.arena is None or self.arena.numel() < nbytes:
+            if self.arena is not None:
+                self.transport.deregister(self.arena)
+            self.arena = torch.empty(nbytes, dtype=torch.uint8, device=self.options.device)
+            # Pinned now; registered with NIXL only when a source is read over NIXL.
+            self.transport.register_many([self.arena], nixl=False)
+        return self.arena
+
+    def _stats(
+        self, leased: "Leased", plan: "ReceivePlan", tensors: list[Any], pulled_by: "FailoverPull", blocks: int,
+        confirmed_by: str, phases: dict[str, float], new_registrations: int,
+    ) -> RefitStats:
+        report = pulled_by.report
+        return RefitStats(
+            model=self.options.model,
+            version=leased.info.version,
+            tensors=len(tensors),
+            bytes_pulled=sum(report.nbytes.values()),
+            bytes_needed=plan.bytes_needed,
+            descriptors=report.descriptors,
+            seconds=phases["pull"],
+            new_registrations=new_registrations,
+            sources=len(leased.requests),
+            plan_seconds=phases["plan"],
+            transport=report.path,
+            handles_opened=report.handles_opened,
+            blocks_verified=blocks,
+            phase_seconds=phases,
+            replicas_read=len(leased.sources.keys() - {s.source_id for s in leased.info.sources}),
+            failed_over=pulled_by.failed_over,
+            bytes_reread=pulled_by.bytes_reread,
+            lease_confirmed_by=confirmed_by,
+        )
+
+
+def _batches(
+    tensors: list[tuple[str, "torch.Tensor"]], max_bytes: int
+) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    batch: list[tuple[str, "torch.Tensor"]] = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if batch and size + nbytes > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append((name, tensor))
+        size += nbytes
+    if batch:
+        yield batch

@@ -1,0 +1,284 @@
+"""Inference side: discover a READY version, lease it, pull exactly what this worker needs.
+
+:class:`Receiver` is the public face: it checks its arguments, builds its parts (catalog client,
+transport, plugins, replica) and closes them; each refit runs on its
+:class:`~mx_refit.receive.cycle.RefitCycle`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, overload
+
+from mx_refit.errors import InvalidArgument, MxRefitError, TransferError
+from mx_refit.receive.cycle import RefitCycle, RefitResult
+from mx_refit.receive.lease import LeaseRenewer
+from mx_refit.receive.lease_order import discover
+from mx_refit.receive.options import ReceiveOptions
+from mx_refit.types import TargetLayout, VersionInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mx_refit.catalog.api import Catalog
+    from mx_refit.catalog.client import CatalogClient
+    from mx_refit.config import WeightSyncConfig
+    from mx_refit.plugins import Hooks
+    from mx_refit.receive.replica import ReplicaSource
+    from mx_refit.transport.base import Transport
+    from mx_refit.transport.nixl import NixlTransport
+
+__all__ = ["Receiver", "RefitResult"]
+
+log = logging.getLogger(__name__)
+
+class _Kept[T]:
+    """A receiver attribute kept on one of its parts (``options`` or ``cycle``): read and set
+    there, so a refit started after a change uses the new value."""
+
+    def __init__(self, part: str) -> None:
+        self._part = part
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> "_Kept[T]": ...
+
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+
+    def __get__(self, obj: object, owner: type) -> "T | _Kept[T]":
+        if obj is None:
+            return self
+        value: T = getattr(getattr(obj, self._part), self._name)
+        return value
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(getattr(obj, self._part), self._name, value)
+
+
+class Receiver:
+    """One inference worker's receiving endpoint.
+
+    :param catalog: Catalog address (``host:port``) or any object satisfying the
+        :class:`~mx_refit.catalog.api.Catalog` protocol (a ``CatalogClient``, an in-process
+        ``CatalogService``, ...).
+    :param target: The layout this worker needs; ``None`` asks the plugins (from ``engine``).
+    :param engine: Optional engine object; when given, received tensors are loaded into it through
+        the ``mx_refit_load_weights`` hook in batches of at most ``load_batch_bytes``.
+    :param device: Where the receive arena lives (``"cpu"`` or ``"cuda:N"``).
+    :param transport: The transport to pull with; ``None`` makes one for this receiver (closed
+        with it). Pass :func:`mx_refit.shared_transport` to share the process's one agent
+        between receivers of several models (and publishers).
+    :param fanout: ``"none"`` (read every byte from the trainer sources) or ``"tree"``: read from
+        the trainer sources and the ready replicas, spread by load, and after each complete
+        refit offer the arena as a replica of that version (withdrawn, waiting for its readers,
+        before the next refit writes the arena). With ``"tree"`` the returned tensors are
+        served to other readers until then: treat them as read-only.
+    :param max_readers_per_source: > 0: never read a source that already serves that many
+        readers (the catalog enforces it at lease time); wait for a replica instead.
+    """
+
+    # Settings (checked by ReceiveOptions) and parts, read by every refit when it starts.
+    model: _Kept[str] = _Kept("options")
+    reader_id: _Kept[str] = _Kept("options")
+    device: _Kept[str] = _Kept("options")
+    lease_ttl_s: _Kept[float] = _Kept("options")
+    transfer_timeout_s: _Kept[float] = _Kept("options")
+    load_batch_bytes: _Kept[int] = _Kept("options")
+    checksums: _Kept[bool] = _Kept("options")  # verify every pulled byte against the sources' checksums
+    fanout: _Kept[str] = _Kept("options")
+    max_readers_per_source: _Kept[int] = _Kept("options")
+    client: _Kept[Catalog] = _Kept("_cycle")
+    transport: _Kept[Transport] = _Kept("_cycle")
+    hooks: _Kept[Hooks] = _Kept("_cycle")
+    target: _Kept[TargetLayout] = _Kept("_cycle")
+    engine: _Kept[Any] = _Kept("_cycle")
+    replica: _Kept[ReplicaSource | None] = _Kept("_cycle")
+
+    def __init__(
+        self,
+        catalog: "str | Catalog",
+        model: str,
+        *,
+        target: TargetLayout | None = None,
+        engine: Any = None,
+        device: str = "cpu",
+        reader_id: str | None = None,
+        token: str | None = None,
+        transport: "Transport | NixlTransport | None" = None,
+        hooks: "Hooks | None" = None,
+        lease_ttl_s: float = 60.0,
+        transfer_timeout_s: float = 120.0,
+        load_batch_bytes: int = 512 << 20,
+        transport_mode: str = "auto",
+        checksums: bool = False,
+        fanout: str = "none",
+        max_readers_per_source: int = 0,
+    ) -> None:
+        from mx_refit.catalog.connect import as_catalog
+        from mx_refit.plugins import Hooks
+        from mx_refit.transport.routing import RoutingTransport
+
+        # Every argument is checked before anything is built, connected or leased.
+        self.options = options = ReceiveOptions(
+            model, reader_id or f"reader-{os.getpid()}-{uuid.uuid4().hex[:8]}", device, lease_ttl_s,
+            transfer_timeout_s, load_batch_bytes, checksums, fanout, max_readers_per_source,
+        )
+        # A client dialled here from an address is closed here.
+        self._dialled: CatalogClient | None = as_catalog(catalog, token=token) if isinstance(catalog, str) else None
+        client = self._dialled if self._dialled is not None else as_catalog(catalog, token=token)
+        self._closing = False
+        hooks = hooks or Hooks()
+        target = target or hooks.target_layout(engine)
+        routing = RoutingTransport.wrap(
+            transport, transport_mode, name=f"mx-recv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        self._owns_transport = routing is not transport  # ours (a given NIXL one stays open)
+        self._renewer = LeaseRenewer(f"mx-refit-lease[{options.reader_id}]")  # one thread for every refit's lease
+        replica: ReplicaSource | None = None
+        if fanout == "tree":
+            from mx_refit.receive.replica import ReplicaSource
+
+            replica = ReplicaSource(
+                client, routing, model, f"replica-{options.reader_id}",
+                ttl_s=lease_ttl_s, withdraw_timeout_s=lease_ttl_s + transfer_timeout_s,
+            )
+        self._cycle = RefitCycle(
+            options, client=client, transport=routing, hooks=hooks, target=target,
+            engine=engine, replica=replica, renewer=self._renewer,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: "WeightSyncConfig",
+        *,
+        target: TargetLayout | None = None,
+        engine: Any = None,
+        device: str = "cpu",
+        catalog: "str | Catalog | None" = None,
+        **overrides: Any,
+    ) -> "Receiver":
+        """A receiver for ``cfg.model_name`` with the config's lease TTL, transfer timeout,
+        ``full_tensors``, plugin allow-list and role overrides (``Hooks.configure`` receives the
+        whole block).
+
+        :param target: Default: the plugins' layout for ``engine`` with ``full_tensors`` from the
+            config; an explicit target is used as given.
+        :param catalog: Default: ``cfg.catalog.address`` with ``cfg.catalog.token``.
+        :param overrides: Any other constructor argument (they win over the config).
+        """
+        import dataclasses
+
+        from mx_refit.config import as_dict, catalog_argument
+
+        kwargs: dict[str, Any] = {
+            "token": cfg.catalog.token,
+            "lease_ttl_s": cfg.lease_ttl_s,
+            "transfer_timeout_s": cfg.transfer_timeout_s,
+            "transport_mode": cfg.transport,
+            "checksums": cfg.checksums,
+            "fanout": cfg.fanout,
+            "max_readers_per_source": cfg.max_readers_per_source,
+        }
+        kwargs.update(overrides)
+        if kwargs.get("hooks") is None:
+            from mx_refit.plugins import Hooks
+
+            kwargs["hooks"] = Hooks(allow=cfg.plugins)
+        hooks = kwargs["hooks"]
+        hooks.configure(as_dict(cfg))
+        if target is None:
+            target = dataclasses.replace(hooks.target_layout(engine), full_tensors=cfg.full_tensors)
+        return cls(
+            catalog_argument(cfg, catalog), kwargs.pop("model", cfg.model_name),
+            target=target, engine=engine, device=device, **kwargs,
+        )
+
+    def discover(self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0) -> VersionInfo:
+        """The exact READY ``version``, or the newest READY one >= ``min_version``.
+
+        With ``wait_s`` > 0, keeps asking until one appears or the time runs out.
+        """
+        return discover(self.client, self.model, version, min_version, wait_s)
+
+    def refit(
+        self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0, notify: bool = True
+    ) -> RefitResult:
+        """Discover, lease, pull every needed byte, release, then materialise and load.
+
+        Nothing reaches the engine until every byte has arrived and been size-checked and the
+        lease is known to have been held for the whole pull (the catalog's answer to the
+        release, or the lease's own deadline when every source promised a restart fence:
+        ``stats.lease_confirmed_by``), so a failed pull leaves the engine's previous weights
+        untouched. A lease that was lost (its TTL ran out,
+        heartbeats could not reach the catalog, the catalog restarted) raises
+        :class:`~mx_refit.errors.LeaseLost` naming the lease and the cause; a renewal that
+        finds the lease gone aborts the pull at once. A source that fails mid-pull (killed, its
+        NIXL agent disconnected, its reads timing out) has its ranges read from another source
+        holding the same bytes (``stats.failed_over``); when none does, the refit raises
+        :class:`~mx_refit.errors.TransferError` naming the source and the ranges.
+
+        :param notify: fire ``mx_refit_refit_done`` at the end. Engines that load the returned
+            tensors themselves pass ``False`` and call ``hooks.refit_done(result.stats)`` once
+            their load finished.
+
+        On any error ``mx_refit_refit_failed`` fires (with the version, when one was found)
+        before the error is re-raised.
+        """
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 <= wait_s < float("inf")):
+            raise InvalidArgument(f"wait_s: must be a finite number of seconds >= 0, got {wait_s!r}")
+        attempt: list[int] = []  # the version being refitted, once discovered
+        try:
+            return self._cycle.run(version, min_version, wait_s, notify, attempt)
+        except Exception as exc:
+            error = exc
+            if self._closing and not isinstance(exc, TransferError):
+                # Closed under the refit: whichever part noticed first (the lease, the catalog
+                # client, the transport), the caller sees one kind of error.
+                error = TransferError(f"receiver {self.reader_id!r} was closed during the refit: {exc}")
+                error.__cause__ = exc
+            try:
+                self.hooks.refit_failed(self.model, attempt[0] if attempt else version, error)
+            except Exception:  # a failing observer must not hide the refit's own error
+                log.exception("mx_refit_refit_failed hook raised")
+            if error is exc:
+                raise
+            raise error from exc
+
+    @property
+    def _arena(self) -> "torch.Tensor | None":
+        """The receive arena (kept by the cycle across refits), for tests and benchmarks."""
+        return self._cycle.arena
+
+    def close(self) -> None:
+        """Release what this receiver made: its transport (from a given one only the arena is
+        deregistered) and the catalog client it dialled. A replica it offers is withdrawn first
+        (waiting, bounded, for its readers). A refit running meanwhile fails with a
+        :class:`~mx_refit.errors.TransferError` saying the receiver was closed."""
+        self._closing = True
+        if self.replica is not None:
+            try:
+                self.replica.withdraw()
+            except MxRefitError as exc:  # closing anyway: its readers will see a transfer error
+                log.warning("closing receiver %s: %s", self.reader_id, exc)
+            self.replica.stop()
+        self._renewer.close()
+        if self._owns_transport:
+            self.transport.close()
+        elif self._cycle.arena is not None:
+            self.transport.deregister(self._cycle.arena)
+        self._cycle.arena = None
+        if self._dialled is not None:
+            self._dialled.close()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
