@@ -238,8 +238,7 @@ def pull_with_failover(
         owes[sid].extend(ReadOp(sid, remote, n, local) for remote, local, n in ranges)
     dead: dict[str, str] = {}
     confirmed: dict[str, int] = defaultdict(int)
-    paths: dict[str, str] = {}
-    descriptors = opened = reread = 0
+    reread = 0
     load = {sid: sum(o.nbytes for o in ops) for sid, ops in owes.items()}
     while True:
         newly_dead = [s for s in error.failed_sources if s in owes and s not in dead]
@@ -261,15 +260,7 @@ def pull_with_failover(
         given, unheld = reroute(index, info, owed, dead, load, named)
         missing.extend(unheld)
         if missing:
-            names = ", ".join(repr(s) for s in dead)
-            sizes = {d.name: d.nbytes for s in info.sources if s.source_id in dead for d in s.tensors}
-            raise TransferError(
-                f"{label}: source {names} failed mid-pull and no live source holds {len(missing)} of its "
-                f"range(s): {describe_ranges(missing, sizes)}; nothing was loaded (the engine keeps its "
-                f"previous weights). The failure: {error}",
-                source_id=newly_dead[0], failed_sources=tuple(dead),
-                completed_sources=frozenset(confirmed), missing=tuple(_named(missing)),
-            ) from error
+            raise _unheld(label, info, dead, newly_dead[0], confirmed, missing, error) from error
         log.warning(
             "%s: source %s failed mid-pull (%s); reading its %d bytes from %s", label, ", ".join(newly_dead),
             error, sum(o.nbytes for o in owed), sorted({holder for holder, _ in given}),
@@ -288,11 +279,25 @@ def pull_with_failover(
             continue
         for sid, n in report.nbytes.items():
             confirmed[sid] += n
-        paths.update(report.paths)
-        descriptors += report.descriptors
-        opened += report.handles_opened
-        final = ReadReport(dict(confirmed), paths, descriptors, opened)
+        final = ReadReport(dict(confirmed), dict(report.paths), report.descriptors, report.handles_opened)
         return FailoverPull(final, tuple(dead), reread)
+
+
+def _unheld(
+    label: str, info: VersionInfo, dead: Mapping[str, str], first: str, confirmed: Mapping[str, int],
+    missing: Sequence[tuple[str, int, int]], error: TransferError,
+) -> TransferError:
+    """The abort when no live source holds some range the ``dead`` sources owed (``first``:
+    the one this round found dead first)."""
+    names = ", ".join(repr(s) for s in dead)
+    sizes = {d.name: d.nbytes for s in info.sources if s.source_id in dead for d in s.tensors}
+    return TransferError(
+        f"{label}: source {names} failed mid-pull and no live source holds {len(missing)} of its "
+        f"range(s): {describe_ranges(missing, sizes)}; nothing was loaded (the engine keeps its "
+        f"previous weights). The failure: {error}",
+        source_id=first, failed_sources=tuple(dead),
+        completed_sources=frozenset(confirmed), missing=tuple(_named(missing)),
+    )
 
 
 def _named(missing: Sequence[tuple[str, int, int]]) -> list[tuple[str, str]]:
