@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mx_refit.checks import batches
 from mx_refit.errors import TransferError
 from mx_refit.receive.lease_order import lease_order
 from mx_refit.receive.plans import PlanCache, region_edges
@@ -206,7 +206,7 @@ class RefitCycle:
     def load(self, tensors: list[tuple[str, "torch.Tensor"]]) -> None:
         """Into the engine (if any), in batches of at most ``load_batch_bytes``."""
         if self.engine is not None:
-            for batch in _batches(tensors, self.options.load_batch_bytes):
+            for batch in batches(tensors, self.options.load_batch_bytes):
                 self.hooks.load_weights(self.engine, batch)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -258,18 +258,3 @@ class RefitCycle:
             lease_confirmed_by=confirmed_by,
         )
 
-
-def _batches(
-    tensors: list[tuple[str, "torch.Tensor"]], max_bytes: int
-) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
-    batch: list[tuple[str, "torch.Tensor"]] = []
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if batch and size + nbytes > max_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append((name, tensor))
-        size += nbytes
-    if batch:
-        yield batch

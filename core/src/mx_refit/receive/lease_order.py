@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 from mx_refit._backoff import Backoff
 from mx_refit.catalog.api import LeasingCatalog
+from mx_refit.checks import TREE
 from mx_refit.errors import FailedPrecondition, NotFound, SourcesBusy, TransferError
 from mx_refit.receive.lease import LeaseGuard, LeaseRenewer
 from mx_refit.types import SourceInfo, VersionInfo
@@ -150,7 +151,7 @@ class LeaseAfterPlanning(LeaseOrder):
         while True:
             choice = choose_sources(
                 info, requests, reader_id=o.reader_id, max_readers=o.max_readers_per_source,
-                exclude=() if o.fanout == "tree" else {r.source_id for r in info.replicas},
+                exclude=() if o.fanout == TREE else {r.source_id for r in info.replicas},
             )
             if choice is not None:
                 acquired_at = time.monotonic()

@@ -5,46 +5,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mx_refit.errors import InvalidArgument
+from mx_refit.checks import FANOUT_MODES, NO_FANOUT, check_count, check_flag, check_mode, check_name, check_seconds
+from mx_refit.config import DEFAULT_LEASE_TTL_S, DEFAULT_LOAD_BATCH_BYTES, DEFAULT_TRANSFER_TIMEOUT_S
 
-__all__ = ["FANOUT_MODES", "ReceiveOptions"]
-
-FANOUT_MODES = ("none", "tree")
+__all__ = ["ReceiveOptions"]
 
 
 @dataclass
 class ReceiveOptions:
-    """What :class:`~mx_refit.Receiver` was asked for (see its parameters)."""
+    """What :class:`~mx_refit.Receiver` was asked for (see its parameters); kept as given."""
 
     model: str
     reader_id: str
     device: str = "cpu"
-    lease_ttl_s: float = 60.0
-    transfer_timeout_s: float = 120.0
-    load_batch_bytes: int = 512 << 20
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    load_batch_bytes: int = DEFAULT_LOAD_BATCH_BYTES
     checksums: bool = False
-    fanout: str = "none"
+    fanout: str = NO_FANOUT
     max_readers_per_source: int = 0
 
     def __post_init__(self) -> None:
-        for name, value in (("lease_ttl_s", self.lease_ttl_s), ("transfer_timeout_s", self.transfer_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
-                raise InvalidArgument(f"{name}: must be a finite number of seconds > 0, got {value!r}")
-        batch = self.load_batch_bytes
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise InvalidArgument(f"load_batch_bytes: must be an integer >= 1, got {batch!r}")
-        if not isinstance(self.model, str) or not self.model:
-            raise InvalidArgument(f"model: must be a non-empty string, got {self.model!r}")
-        if not isinstance(self.checksums, bool):
-            raise InvalidArgument(f"checksums: must be a bool, got {self.checksums!r}")
-        if self.fanout not in FANOUT_MODES:
-            raise InvalidArgument(f"fanout: {self.fanout!r} (expected 'none' or 'tree')")
-        cap = self.max_readers_per_source
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-            raise InvalidArgument(f"max_readers_per_source: must be an integer >= 0, got {cap!r}")
+        check_seconds(self.lease_ttl_s, "lease_ttl_s")
+        check_seconds(self.transfer_timeout_s, "transfer_timeout_s")
+        check_count(self.load_batch_bytes, "load_batch_bytes", minimum=1)
+        check_name(self.model, "model")
+        check_flag(self.checksums, "checksums")
+        check_mode(self.fanout, "fanout", FANOUT_MODES)
+        check_count(self.max_readers_per_source, "max_readers_per_source")
 
     @property
     def names_sources(self) -> bool:
         """Whether leases name the sources they read (fan-out or a reader cap): the sources are
         chosen from the plan, so the lease is taken after planning."""
-        return self.fanout != "none" or bool(self.max_readers_per_source)
+        return self.fanout != NO_FANOUT or bool(self.max_readers_per_source)

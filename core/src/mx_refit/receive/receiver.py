@@ -12,7 +12,9 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any, overload
 
-from mx_refit.errors import InvalidArgument, MxRefitError, TransferError
+from mx_refit.checks import AUTO, NO_FANOUT, TREE, check_seconds
+from mx_refit.config import DEFAULT_LEASE_TTL_S, DEFAULT_LOAD_BATCH_BYTES, DEFAULT_TRANSFER_TIMEOUT_S
+from mx_refit.errors import MxRefitError, TransferError
 from mx_refit.receive.cycle import RefitCycle, RefitResult
 from mx_refit.receive.lease import LeaseRenewer
 from mx_refit.receive.lease_order import discover
@@ -112,12 +114,12 @@ class Receiver:
         token: str | None = None,
         transport: "Transport | NixlTransport | None" = None,
         hooks: "Hooks | None" = None,
-        lease_ttl_s: float = 60.0,
-        transfer_timeout_s: float = 120.0,
-        load_batch_bytes: int = 512 << 20,
-        transport_mode: str = "auto",
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        load_batch_bytes: int = DEFAULT_LOAD_BATCH_BYTES,
+        transport_mode: str = AUTO,
         checksums: bool = False,
-        fanout: str = "none",
+        fanout: str = NO_FANOUT,
         max_readers_per_source: int = 0,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
@@ -141,7 +143,7 @@ class Receiver:
         self._owns_transport = routing is not transport  # ours (a given NIXL one stays open)
         self._renewer = LeaseRenewer(f"mx-refit-lease[{options.reader_id}]")  # one thread for every refit's lease
         replica: ReplicaSource | None = None
-        if fanout == "tree":
+        if fanout == TREE:
             from mx_refit.receive.replica import ReplicaSource
 
             replica = ReplicaSource(
@@ -231,8 +233,7 @@ class Receiver:
         On any error ``mx_refit_refit_failed`` fires (with the version, when one was found)
         before the error is re-raised.
         """
-        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (0 <= wait_s < float("inf")):
-            raise InvalidArgument(f"wait_s: must be a finite number of seconds >= 0, got {wait_s!r}")
+        check_seconds(wait_s, "wait_s", allow_zero=True)
         attempt: list[int] = []  # the version being refitted, once discovered
         try:
             return self._cycle.run(version, min_version, wait_s, notify, attempt)

@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mx_refit.errors import InvalidArgument, TransferError
 from mx_refit.ranges import RegionIndex
-from mx_refit.transport.base import (
-    CUDA_IPC, NIXL, PathChoice, ReadReport, Transport, check_mode, local_node, select_path,
-)
+from mx_refit.transport.base import CUDA_IPC, NIXL, PathChoice, ReadReport, Transport, check_mode, local_node, select_path
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

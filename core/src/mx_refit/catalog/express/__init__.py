@@ -1,7 +1,7 @@
 """The express lane: a steady refit's catalog calls over one persistent TCP connection.
 
 A steady refit makes one catalog call on its critical path (``LeaseVersion``; its release is
-sent afterwards, see :mod:`mx_refit._lease`). Over Python gRPC that call costs 1.5-2.3 ms
+sent afterwards, see :mod:`mx_refit.receive.lease`). Over Python gRPC that call costs 1.5-2.3 ms
 after the reader sat idle, whatever the server model (sync or ``grpc.aio``): the request and
 the reply each cross several threads. Measured on the 2-core CI machine with 20 ms idle
 between calls, a bare gRPC echo took 1.45 ms and the same bytes over a blocking socket
