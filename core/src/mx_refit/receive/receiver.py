@@ -36,6 +36,7 @@ __all__ = ["Receiver", "RefitResult"]
 
 log = logging.getLogger(__name__)
 
+
 class _Kept[T]:
     """A receiver attribute kept on one of its parts (``options`` or ``cycle``): read and set
     there, so a refit started after a change uses the new value."""
@@ -131,9 +132,12 @@ class Receiver:
             model, reader_id or f"reader-{os.getpid()}-{uuid.uuid4().hex[:8]}", device, lease_ttl_s,
             transfer_timeout_s, load_batch_bytes, checksums, fanout, max_readers_per_source,
         )
-        # A client dialled here from an address is closed here.
-        self._dialled: CatalogClient | None = as_catalog(catalog, token=token) if isinstance(catalog, str) else None
-        client = self._dialled if self._dialled is not None else as_catalog(catalog, token=token)
+        self._dialled: CatalogClient | None = None  # dialled here from an address: closed here
+        client: Catalog
+        if isinstance(catalog, str):
+            client = self._dialled = as_catalog(catalog, token=token)
+        else:
+            client = as_catalog(catalog, token=token)
         self._closing = False
         hooks = hooks or Hooks()
         target = target or hooks.target_layout(engine)
