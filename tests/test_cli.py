@@ -162,3 +162,22 @@ def test_plugins_lists_what_loaded_and_the_hooks(monkeypatch):
     assert any("mx_refit_build_sidecar" in listing[name]["hooks"] for name in BUILTIN_PLUGINS)
     text = subprocess.run([sys.executable, "-m", "mx_refit.cli", "plugins"], capture_output=True, text=True, timeout=60)
     assert "mx_refit.builtin (built-in): " in text.stdout
+
+
+def test_plugins_names_the_distribution_that_installed_a_plugin(tmp_path):
+    """A plugin loaded from an installed distribution's entry point is labelled with that
+    distribution and its version, never "built-in"."""
+    import os
+    from pathlib import Path
+
+    info = tmp_path / "mx_refit_sample-1.2.3.dist-info"  # what pip leaves in site-packages
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mx-refit-sample\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text("[mx_refit]\nsample = plugin_samples.good\n")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(tests), os.environ.get("PYTHONPATH", "")])}
+    text = subprocess.run([sys.executable, "-m", "mx_refit.cli", "plugins"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert text.returncode == 0, text.stderr
+    assert "sample (mx-refit-sample 1.2.3): " in text.stdout
+    assert "mx_refit.builtin (built-in): " in text.stdout

@@ -140,3 +140,27 @@ def test_the_wheel_installs_and_serves_beside_protobuf_6(wheel_venv):
         serve.terminate()
         _, err = serve.communicate(timeout=30)
     assert serve.returncode == 0, err
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plugin", ["vllm_engine", "nemo_rl", "dynamo"])
+def test_every_plugin_wheel_ships_the_license(plugin, tmp_path):
+    """Each plugin distribution carries the Apache-2.0 text (PEP 639 license-files), not only a tag."""
+    import zipfile
+
+    repo = Path(__file__).resolve().parents[1]
+    # A copy: an in-tree build leaves build/ and an .egg-info beside the editable install's sources.
+    source = tmp_path / plugin
+    shutil.copytree(repo / "plugins" / plugin, source,
+                    ignore=shutil.ignore_patterns("tests", "build", "*.egg-info", "__pycache__", ".*_cache"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                          str(source), "-w", str(tmp_path / "wheel")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        licenses = [name for name in archive.namelist() if name.endswith(".dist-info/licenses/LICENSE")]
+        assert len(licenses) == 1, archive.namelist()
+        assert archive.read(licenses[0]) == (repo / "LICENSE").read_bytes()
+        metadata = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
+        assert "License-Expression: Apache-2.0" in archive.read(metadata).decode()

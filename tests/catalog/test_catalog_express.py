@@ -150,8 +150,66 @@ def test_a_receiver_readies_its_read_while_the_catalog_answers() -> None:
 def test_a_connection_that_never_sends_its_token_is_dropped(monkeypatch) -> None:
     from mx_refit.catalog.express import server
 
-    monkeypatch.setattr(server, "_AUTH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(server, "_FRAME_S", 0.2)
     with _served() as srv:
         assert srv.express is not None
         with socket.create_connection(("127.0.0.1", srv.express.port), timeout=5) as raw:
             assert raw.recv(1) == b""  # closed by the lane, not by this test's 5 s timeout
+
+
+def _dribble(port: int, data: bytes, seconds: float) -> float:
+    """Send ``data`` a byte at a time, spread over ``seconds``; returns when the lane closed the
+    connection (seconds after connecting), or raises after twice ``seconds``."""
+    import time
+
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=seconds * 2) as raw:
+        try:
+            for byte in data:
+                raw.sendall(bytes([byte]))
+                time.sleep(seconds / len(data))
+            while raw.recv(4096):  # an error frame, then the close
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("token", ["s3cret", None])
+def test_a_dribbled_first_frame_is_cut_at_an_absolute_deadline(monkeypatch, token) -> None:
+    """Each byte arrives well within the old per-read timeout, the frame never completes in time:
+    the connection is dropped at the first frame's deadline, with or without a token."""
+    from mx_refit.catalog.express import server
+    from mx_refit.catalog.express.framing import AUTH_FRAME, EXPRESS_METHODS
+
+    monkeypatch.setattr(server, "_FRAME_S", 0.5)
+    service = CatalogService()
+    publish_ready(service, "m", 1)
+    with CatalogServer(service=service, token=token).start() as srv:
+        assert srv.express is not None
+        kind = AUTH_FRAME if token else EXPRESS_METHODS["LeaseVersion"][0]
+        frame = struct.pack(">BI", kind, 6) + b"s3cret"
+        assert _dribble(srv.express.port, frame, seconds=4.0) < 2.0
+
+
+@pytest.mark.parametrize("token, size, dropped", [
+    ("s3cret", 4097, True),  # a token frame over 4 KiB
+    (None, (64 << 10) + 1, True),  # an unauthenticated request over 64 KiB
+    (None, 1000, False),  # a plausible request: the lane waits for it
+])
+def test_unauthenticated_frames_are_capped(monkeypatch, token, size, dropped) -> None:
+    from mx_refit.catalog.express import server
+    from mx_refit.catalog.express.framing import AUTH_FRAME, EXPRESS_METHODS
+
+    monkeypatch.setattr(server, "_FRAME_S", 2.0)
+    with CatalogServer(token=token).start() as srv:
+        assert srv.express is not None
+        kind = AUTH_FRAME if token else EXPRESS_METHODS["LeaseVersion"][0]
+        with socket.create_connection(("127.0.0.1", srv.express.port), timeout=5) as raw:
+            raw.sendall(struct.pack(">BI", kind, size))
+            raw.settimeout(1.0)
+            try:
+                closed = raw.recv(4096) is not None  # an error frame or the close: at once
+            except TimeoutError:
+                closed = False  # still waiting for the announced bytes
+            assert closed is dropped

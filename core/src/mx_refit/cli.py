@@ -143,7 +143,20 @@ def _error(message: str, code: int) -> int:
     return code
 
 
+def _sigterm_interrupts() -> None:
+    """SIGTERM ends ``demo`` and ``verify`` like Ctrl-C: their cleanup stops the child processes
+    (the default action killed only this one, and the children ran on)."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("demo", "verify"):
+        _sigterm_interrupts()
     if args.command == "demo":
         from mx_refit.demo import demo_main
 
@@ -205,7 +218,10 @@ def _plugins(args: argparse.Namespace) -> int:
         print(json.dumps(listing))
         return EXIT_OK
     for entry in listing:
-        origin = f"{entry['distribution']} {entry['version']}" if entry["distribution"] else "built-in"
+        if entry["distribution"]:
+            origin = f"{entry['distribution']} {entry['version']}"
+        else:
+            origin = "built-in" if entry["builtin"] else "registered in-process"
         print(f"{entry['name']} ({origin}): {', '.join(entry['hooks']) or 'no hooks'}")
     return EXIT_OK
 

@@ -109,7 +109,7 @@ class CatalogConfig:
     host: str = "127.0.0.1"  # embedded: bind address (0.0.0.0 binds every interface)
     port: int = 0  # embedded: 0 picks a free port
     advertise_host: str | None = None  # embedded: the host name clients dial (default: a routable one)
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # a secret: never in a repr or a log line
     # embedded: where the catalog keeps its state, memory or redis://HOST:PORT/DB (kept across
     # restarts, shared with `mx-refit serve --store` processes on the same Redis)
     store: str = "memory"

@@ -240,6 +240,9 @@ def run_demo(cycles: int = 3, device: str = "cpu", trainers: int = 2, log=print,
         for p in procs:
             if p.is_alive():
                 p.terminate()
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=10)
         server.stop(0)
     return summary
 
@@ -289,9 +292,13 @@ def megatron_demo(args: argparse.Namespace, log) -> int:
 def preflight(args: argparse.Namespace) -> None:
     """Everything that can be checked before a process starts (raises InvalidArgument/MissingExtra)."""
     from mx_refit import preflight as checks
+    from mx_refit.errors import InvalidArgument
     from mx_refit.plugins import Hooks
 
     checks.check_counts(cycles=args.cycles, source_tp=args.source_tp, source_ep=args.source_ep)
+    if args.transport == "cuda_ipc" and args.device != "cuda":
+        raise InvalidArgument(f"--transport cuda_ipc: CUDA IPC moves GPU memory; it needs --device cuda "
+                              f"(got --device {args.device})")
     for tp in args.target_tp:
         checks.check_counts(target_tp=tp)
     if args.model:

@@ -114,21 +114,34 @@ class RefitMetrics:
 
 _from_env_lock = threading.Lock()
 _from_env: RefitMetrics | None = None
+_from_env_port_taken = False  # this process found the port taken and said so once
 
 
 def refit_metrics_from_env() -> RefitMetrics | None:
     """The process-wide :class:`RefitMetrics` when ``MX_REFIT_METRICS_PORT`` is set (its HTTP
-    endpoint started once, on 127.0.0.1 unless ``MX_REFIT_METRICS_HOST`` says otherwise)."""
-    global _from_env
+    endpoint started once, on 127.0.0.1 unless ``MX_REFIT_METRICS_HOST`` says otherwise).
+
+    Every worker process of a multi-process engine inherits the variable: the first to bind the
+    port serves its refits there; each other process logs one warning naming the port and runs
+    on without metrics (None), rather than failing its start on "Address already in use"."""
+    global _from_env, _from_env_port_taken
     raw = os.environ.get(METRICS_PORT_ENV, "").strip()
     if not raw:
         return None
     with _from_env_lock:
-        if _from_env is None:
+        if _from_env is None and not _from_env_port_taken:
             if not raw.isdigit() or not 0 <= int(raw) <= 65535:
                 raise InvalidArgument(f"{METRICS_PORT_ENV}: {raw!r} is not a port number (0-65535)")
-            plugin = RefitMetrics()
-            _server, url = start_metrics_server(int(raw), os.environ.get("MX_REFIT_METRICS_HOST", "127.0.0.1"))
+            host = os.environ.get("MX_REFIT_METRICS_HOST", "127.0.0.1")
+            try:
+                _server, url = start_metrics_server(int(raw), host)
+            except OSError as exc:
+                _from_env_port_taken = True
+                log.warning("%s=%s: %s:%s is taken (%s), most likely by another process of this engine that "
+                            "serves its refit metrics there; this process (pid %d) runs without refit metrics "
+                            "(give each process its own port to see them all)",
+                            METRICS_PORT_ENV, raw, host, raw, exc.strerror or exc, os.getpid())
+                return None
             log.info("mx-refit refit metrics on %s", url)
-            _from_env = plugin
+            _from_env = RefitMetrics()
         return _from_env

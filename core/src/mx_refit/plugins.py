@@ -21,9 +21,10 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import re
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -124,7 +125,38 @@ def load_plugins(pm: pluggy.PluginManager, allow: "Iterable[str] | None" = None)
     if os.environ.get(TRACE_ENV, "").strip() not in ("", "0"):
         trace_log.setLevel(logging.DEBUG)
         pm.trace.root.setwriter(lambda message: trace_log.debug(message.rstrip()))
-        pm.enable_tracing()
+        _enable_redacted_tracing(pm)
+
+
+# Setting names whose values are secrets (the catalog token in a recipe's settings).
+_SECRET = re.compile(r"token|secret|password|authorization|credential", re.IGNORECASE)
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` with every secret-named mapping entry masked (nested mappings and lists too)."""
+    if isinstance(value, Mapping):
+        return {key: "<redacted>" if isinstance(key, str) and _SECRET.search(key) and item else _redacted(item)
+                for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_redacted(item) for item in value)
+    return value
+
+
+def _enable_redacted_tracing(pm: pluggy.PluginManager) -> None:
+    """pluggy's hook tracing (the same lines) with secrets masked in the arguments and results:
+    ``mx_refit_configure`` gets the whole ``weight_sync`` block, catalog token included."""
+    hooktrace = pm.trace.root.get("hook")
+
+    def before(hook_name: str, methods: Any, kwargs: Mapping[str, object]) -> None:
+        hooktrace.root.indent += 1
+        hooktrace(hook_name, _redacted(kwargs))
+
+    def after(outcome: Any, hook_name: str, methods: Any, kwargs: Mapping[str, object]) -> None:
+        if outcome.exception is None:
+            hooktrace("finish", hook_name, "-->", _redacted(outcome.get_result()))
+        hooktrace.root.indent -= 1
+
+    pm.add_hookcall_monitoring(before, after)
 
 
 class Hooks:
@@ -167,19 +199,25 @@ class Hooks:
         self.pm.unregister(plugin)
 
     def describe(self) -> list[dict[str, Any]]:
-        """What loaded: ``[{"name", "distribution", "version", "hooks"}]`` in registration order
-        (built-ins first), each with the hooks it implements."""
+        """What loaded: ``[{"name", "builtin", "distribution", "version", "hooks"}]`` in
+        registration order (built-ins first), each with the hooks it implements. ``distribution``
+        and ``version`` name the installed package whose entry point loaded a plugin (None for
+        the built-ins and for plugins registered in-process)."""
         pm = self.pm
-        dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+        # Plugins register under their entry point's name (load_plugins), so the entry point
+        # tells which distribution shipped each one.
+        shipped = {ep.name: ep.dist for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
         listing = []
         for name, plugin in pm.list_name_plugin():
             if plugin is None:  # blocked
                 continue
-            dist = dists.get(id(plugin))
+            builtin = name in BUILTIN_PLUGINS
+            dist = None if builtin else shipped.get(name)
             hooks = sorted(caller.name for caller in pm.get_hookcallers(plugin) or ())
             listing.append({
                 "name": name,
-                "distribution": dist.project_name if dist is not None else None,
+                "builtin": builtin,
+                "distribution": dist.name if dist is not None else None,
                 "version": dist.version if dist is not None else None,
                 "hooks": hooks,
             })

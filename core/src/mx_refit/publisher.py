@@ -354,11 +354,13 @@ class Publisher:
         Call it before the trainer mutates the published buffers. Fires
         ``mx_refit_version_retired`` once the catalog retired it and ``mx_refit_version_drained``
         once it is drained. Every argument is checked before anything changes. A catalog that
-        does not know the version (it restarted) holds no lease on it, so the version counts as
-        drained there; an unreachable catalog is retried until ``timeout_s``, then
-        ``TimeoutError``.
+        lost the version with this publisher's registration (it restarted) holds no lease on it,
+        so the version counts as drained there once the lease fence is waited out; an
+        unreachable catalog is retried until ``timeout_s``, then ``TimeoutError``.
 
         :param timeout_s: Default: ``drain_timeout_s``.
+        :raises NotFound: the catalog does not know ``version`` but still holds this publisher's
+            registration (a typo, a pruned version): nothing to drain, and no fence armed.
         """
         timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
         check_count(version, "version", minimum=0)
@@ -376,8 +378,13 @@ class Publisher:
                 remaining = max(deadline - time.monotonic(), 0.0)
                 if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining):
                     break
-            except NotFound:  # forgotten: its leases too, which readers may still hold
-                self._catalog_lost()
+            except NotFound:
+                if not self._catalog_forgot_us():
+                    raise NotFound(
+                        f"wait_drained: version {version} of {self.model!r} is unknown to the catalog (never "
+                        "published, or pruned), which still holds this publisher's registration: nothing to drain"
+                    ) from None
+                self._catalog_lost()  # forgotten: its leases too, which readers may still hold
                 break
             except (Unavailable, FailedPrecondition) as exc:
                 # Unreachable, or re-registered as READY by a concurrent beat: retire again.
@@ -391,6 +398,21 @@ class Publisher:
         self._hold_fence(version, deadline)
         self._last_drained = version
         self.hooks.version_drained(self.model, version)
+
+    def _catalog_forgot_us(self) -> bool:
+        """After a NotFound for a version: whether the catalog lost this publisher's registration
+        (a restart: it lost the leases too) rather than not knowing that one version."""
+        if self._fenced_until > time.monotonic():
+            return True  # already learned it lost us (the heartbeat did)
+        if self._last_published is None:
+            return False  # never registered anything: nothing to lose
+        try:
+            self.client.heartbeat(source_ids=[self.source_id], incarnations={self.source_id: self.incarnation})
+        except (NotFound, Unavailable):  # lost us, or cannot tell: assume the worst
+            return True
+        except FailedPrecondition:
+            return False  # a restarted rank took this source over: the catalog kept its state
+        return False
 
     def _catalog_lost(self) -> None:
         """The catalog no longer knows this source, so it lost any lease on our versions; a

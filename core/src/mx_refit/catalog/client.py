@@ -27,6 +27,7 @@ import grpc
 from google.protobuf.message import Message
 
 from mx_refit.catalog import convert
+from mx_refit.catalog.address import check_address
 from mx_refit.catalog.api import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TTL_S,
@@ -43,7 +44,7 @@ from mx_refit.catalog.digests import (
 )
 from mx_refit.catalog.express.client import ExpressRoute, Once
 from mx_refit.catalog.express.framing import EXPRESS_METHODS, ExpressStatus
-from mx_refit.catalog.status import RETRYABLE, error_for
+from mx_refit.catalog.status import RETRYABLE, error_for, unreachable
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
 from mx_refit.catalog.validation import check_name, check_token
@@ -112,10 +113,7 @@ class CatalogClient:
         manifest_cache_versions: int = 2,
         express: bool = True,
     ) -> None:
-        if not isinstance(address, str) or not address:
-            raise InvalidArgument(
-                f"address: must be a non-empty 'host:port' string, got {address!r}"
-            )
+        check_address(address)
         if timeout_s <= 0:
             raise InvalidArgument(f"timeout_s: {timeout_s} must be > 0")
         if retries < 0:
@@ -137,6 +135,7 @@ class CatalogClient:
         self._channel: grpc.Channel | None = None
         self._stub: catalog_pb2_grpc.CatalogServiceStub | None = None
         self._pid = -1
+        self._answered = False  # the catalog answered this process's channel at least once
         self._lease_version_unsupported = False  # the catalog answered UNIMPLEMENTED once
         # The catalog's express lane (mx_refit.catalog.express), once it offered one.
         self.express = bool(express)
@@ -191,6 +190,7 @@ class CatalogClient:
                     self._channel
                 )
                 self._pid = os.getpid()
+                self._answered = False
             return self._stub
 
     def close(self) -> None:
@@ -239,30 +239,42 @@ class CatalogClient:
             while_waiting = once
         if while_waiting is not None:
             while_waiting()  # gRPC offers no point between sending and waiting: before the call
-        attempts = self.retries + 1
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        stub = self._get_stub()
+        # Until the catalog has answered once, a catalog that is down or a wrong address fails
+        # within one timeout and says so: no waiting for a connection, the attempts share it.
+        first_contact = not self._answered
+        started = time.monotonic()
+        attempts, made = self.retries + 1, 0
         last: grpc.RpcError | None = None
         for attempt in range(attempts):
+            left = started + timeout - time.monotonic() if first_contact else timeout
             if attempt:
-                delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S)
-                time.sleep(delay * (0.5 + random.random()))  # jitter: ranks retry out of step
-            stub_method = getattr(self._get_stub(), method)
+                delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (0.5 + random.random())
+                if first_contact and delay >= left:
+                    break
+                time.sleep(delay)  # jitter: ranks retry out of step
+                left -= delay if first_contact else 0.0
+            made += 1
             try:
-                return stub_method(
-                    request,
-                    timeout=timeout_s if timeout_s is not None else self.timeout_s,
-                    metadata=self._metadata,
-                    wait_for_ready=wait_for_ready or None,
+                reply = getattr(stub, method)(
+                    request, timeout=left, metadata=self._metadata,
+                    wait_for_ready=(wait_for_ready and not first_contact) or None,
                 )
             except grpc.RpcError as exc:
-                code = exc.code()
-                details = exc.details() or ""
+                code, details = exc.code(), exc.details() or ""
                 if code in RETRYABLE:
                     last = exc
                     continue
+                self._answered = True
                 if code is grpc.StatusCode.UNIMPLEMENTED:
                     raise _Unimplemented(f"{method}: the catalog at {self.address} does not offer it: {details}") from None
                 raise error_for(code, details, method) from None
+            self._answered = True
+            return reply
         assert last is not None
+        if first_contact:
+            raise unreachable(self.address, method, last, made, time.monotonic() - started)
         code, details = last.code(), last.details() or ""
         raise Unavailable(
             f"catalog at {self.address} is unavailable after {attempts} attempt(s) of {method}: "

@@ -16,7 +16,7 @@ import grpc
 
 from mx_refit.catalog import convert
 from mx_refit.catalog.service import CatalogService
-from mx_refit.catalog.status import status_for
+from mx_refit.catalog.status import fit_details, status_for
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
 from mx_refit.errors import InvalidArgument, MxRefitError
@@ -40,7 +40,7 @@ def _rpc[Req, Rep](
         try:
             return handler(self, request, context)
         except MxRefitError as exc:
-            context.abort(status_for(exc), str(exc))
+            context.abort(status_for(exc), fit_details(str(exc)))
         except Exception:
             # A bug, not a client error: keep the traceback on the server, not in the reply.
             logger.exception("catalog %s failed", handler.__name__)

@@ -16,9 +16,15 @@ from mx_refit.errors import (
     NotFound,
     SourcesBusy,
     Unauthenticated,
+    Unavailable,
 )
 
-__all__ = ["RETRYABLE", "error_for", "status_for"]
+__all__ = ["MAX_DETAILS_BYTES", "RETRYABLE", "error_for", "fit_details", "status_for", "unreachable"]
+
+# gRPC carries a status message in the grpc-message header, percent-encoded, and a client drops
+# a reply whose headers exceed 8 KiB (grpc.max_metadata_size) with a random other status: keep
+# the encoded message to half of that.
+MAX_DETAILS_BYTES = 4096
 
 _CODES: tuple[tuple[type[MxRefitError], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -41,6 +47,25 @@ def status_for(exc: MxRefitError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _encoded_size(text: str) -> int:
+    """Bytes of ``text`` in the grpc-message header (percent-encoding of all but printable ASCII)."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode())
+
+
+def fit_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """``message`` cut to fit a status header of ``limit`` encoded bytes, saying that it was."""
+    if _encoded_size(message) <= limit:
+        return message
+    note = f" ... [truncated to fit gRPC's status header: {len(message)} characters in all]"
+    keep, budget = [], limit - _encoded_size(note)
+    for char in message:
+        budget -= _encoded_size(char)
+        if budget < 0:
+            break
+        keep.append(char)
+    return "".join(keep) + note
+
+
 def error_for(code: grpc.StatusCode, details: str, method: str) -> MxRefitError:
     """The domain error a client raises for a non-OK, non-retryable status."""
     error = _ERRORS.get(code)
@@ -50,3 +75,19 @@ def error_for(code: grpc.StatusCode, details: str, method: str) -> MxRefitError:
         # gRPC's own message-size check: the request or reply is too large for the channel.
         return InvalidArgument(f"{method}: message too large ({details})")
     return MxRefitError(f"{method}: catalog call failed with {code.name}: {details}")
+
+
+def unreachable(address: str, method: str, last: grpc.RpcError, attempts: int, elapsed_s: float) -> Unavailable:
+    """The error for a catalog that never answered: why (refused, no answer in time), then the
+    address, the call and gRPC's own words."""
+    code, details = last.code(), last.details() or ""
+    if "connection refused" in details.lower():
+        why = "connection refused (nothing listens there: is `mx-refit serve` running, on this port?)"
+    elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        why = f"no connection within {elapsed_s:.1f} s (a wrong address, or a firewall?)"
+    else:
+        why = details or code.name
+    return Unavailable(
+        f"catalog at {address} is unreachable: {why}; {attempts} attempt(s) of {method} in {elapsed_s:.1f} s "
+        f"({code.name}: {details})"
+    )

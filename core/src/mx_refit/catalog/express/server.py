@@ -8,6 +8,7 @@ import hmac
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -28,7 +29,14 @@ __all__ = ["MAX_CONNECTIONS", "ExpressServer"]
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 512
-_AUTH_TIMEOUT_S = 10.0  # a connection that sends no token in this time is dropped
+# A connection's first frame (the token, or without one the first request) must be complete this
+# long after it connected, and every later frame this long after its header: a peer that
+# dribbles bytes cannot hold a slot. Idle time between frames is free (readers wait for refits).
+_FRAME_S = 10.0
+_MAX_TOKEN_BYTES = 4096
+# Without a token nobody is authenticated: each request may park this much, not MAX_REQUEST_BYTES
+# (512 connections x 64 KiB = 32 MiB at most; requests are a few hundred bytes).
+_MAX_UNAUTHENTICATED_REQUEST_BYTES = 64 << 10
 
 
 class _LaneContext:
@@ -93,20 +101,25 @@ class ExpressServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            connected = time.monotonic()
+            first_by: float | None = connected + _FRAME_S
+            limit = MAX_REQUEST_BYTES
             if self._token is not None:
-                conn.settimeout(_AUTH_TIMEOUT_S)  # a connection holding a slot without a token
-                if not self._authenticated(conn):
+                if not self._authenticated(conn, connected + _FRAME_S):
                     send_frame(conn, grpc.StatusCode.UNAUTHENTICATED.value[0], b"wrong or missing bearer token")
                     return
-                conn.settimeout(None)  # an authenticated reader may sit idle between refits
+                first_by = None  # an authenticated reader may sit idle between refits
+            else:
+                limit = _MAX_UNAUTHENTICATED_REQUEST_BYTES
             while True:
-                kind, size = HEADER.unpack(recv_exact(conn, HEADER.size))
+                kind, size = HEADER.unpack(_recv_by(conn, HEADER.size, first_by))
                 method = METHOD_BY_FRAME.get(kind)
-                if method is None or size > MAX_REQUEST_BYTES:
+                if method is None or size > limit:
                     log.warning("express lane: dropping a connection that sent frame %d of %d bytes", kind, size)
                     return
                 name, request_type = method
-                request = request_type.FromString(recv_exact(conn, size))
+                request = request_type.FromString(_recv_by(conn, size, first_by or time.monotonic() + _FRAME_S))
+                first_by = None
                 self.calls += 1
                 try:
                     reply = getattr(self._servicer, name)(request, _LaneContext())
@@ -121,9 +134,29 @@ class ExpressServer:
                 self._connections.discard(conn)
             conn.close()
 
-    def _authenticated(self, conn: socket.socket) -> bool:
-        kind, size = HEADER.unpack(recv_exact(conn, HEADER.size))
-        if kind != AUTH_FRAME or size > 4096:
+    def _authenticated(self, conn: socket.socket, by: float) -> bool:
+        """The token frame, complete by ``by`` and at most ``_MAX_TOKEN_BYTES``, is the token."""
+        kind, size = HEADER.unpack(_recv_by(conn, HEADER.size, by))
+        if kind != AUTH_FRAME or size > _MAX_TOKEN_BYTES:
             return False
         assert self._token is not None
-        return hmac.compare_digest(recv_exact(conn, size), self._token)
+        return hmac.compare_digest(_recv_by(conn, size, by), self._token)
+
+
+def _recv_by(conn: socket.socket, n: int, by: float | None) -> bytes:
+    """Exactly ``n`` bytes, all of them by the monotonic time ``by`` (None: no limit)."""
+    if by is None:
+        conn.settimeout(None)
+        return recv_exact(conn, n)
+    chunks, left = [], n
+    while left:
+        rest = by - time.monotonic()
+        if rest <= 0:
+            raise TimeoutError(f"express lane: a frame was not complete in time ({n - left} of {n} bytes)")
+        conn.settimeout(rest)
+        chunk = conn.recv(min(left, 1 << 16))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
