@@ -135,7 +135,8 @@ class CatalogClient:
         self._channel: grpc.Channel | None = None
         self._stub: catalog_pb2_grpc.CatalogServiceStub | None = None
         self._pid = -1
-        self._answered = False  # the catalog answered this process's channel at least once
+        self._reached = False  # this process's channel reached the catalog once (see _call)
+        self._watching: grpc.Channel | None = None
         self._lease_version_unsupported = False  # the catalog answered UNIMPLEMENTED once
         # The catalog's express lane (mx_refit.catalog.express), once it offered one.
         self.express = bool(express)
@@ -190,14 +191,27 @@ class CatalogClient:
                     self._channel
                 )
                 self._pid = os.getpid()
-                self._answered = False
+                self._reached = False
+                self._watching = self._channel
+                self._channel.subscribe(self._on_connectivity)
             return self._stub
+
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.READY:
+            self._reached = True
+
+    def _stop_watching(self) -> None:  # once reached: gRPC polls for a subscription
+        with self._lock:
+            channel, self._watching = self._watching, None
+        if channel is not None:
+            channel.unsubscribe(self._on_connectivity)
 
     def close(self) -> None:
         """Close the channel and the express lane (a later call reopens them)."""
         with self._lock:
             channel, self._channel, self._stub = self._channel, None, None
             owned = self._pid == os.getpid()
+            self._watching = None
         if channel is not None and owned:
             channel.close()
         self._lane.close()
@@ -241,13 +255,13 @@ class CatalogClient:
             while_waiting()  # gRPC offers no point between sending and waiting: before the call
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         stub = self._get_stub()
-        # Until the catalog has answered once, a catalog that is down or a wrong address fails
-        # within one timeout and says so: no waiting for a connection, the attempts share it.
-        first_contact = not self._answered
         started = time.monotonic()
         attempts, made = self.retries + 1, 0
         last: grpc.RpcError | None = None
         for attempt in range(attempts):
+            # Until the catalog was reached once, a catalog that is down or a wrong address fails
+            # within one timeout and says so: no waiting for a connection, the attempts share it.
+            first_contact = not self._reached
             left = started + timeout - time.monotonic() if first_contact else timeout
             if attempt:
                 delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (0.5 + random.random())
@@ -257,27 +271,27 @@ class CatalogClient:
                 left -= delay if first_contact else 0.0
             made += 1
             try:
-                reply = getattr(stub, method)(
-                    request, timeout=left, metadata=self._metadata,
-                    wait_for_ready=(wait_for_ready and not first_contact) or None,
-                )
+                reply = getattr(stub, method)(request, timeout=left, metadata=self._metadata,
+                                              wait_for_ready=(wait_for_ready and not first_contact) or None)
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""
                 if code in RETRYABLE:
                     last = exc
                     continue
-                self._answered = True
+                self._reached = True
                 if code is grpc.StatusCode.UNIMPLEMENTED:
                     raise _Unimplemented(f"{method}: the catalog at {self.address} does not offer it: {details}") from None
                 raise error_for(code, details, method) from None
-            self._answered = True
+            self._reached = True
+            if self._watching is not None:
+                self._stop_watching()
             return reply
         assert last is not None
-        if first_contact:
+        if not self._reached:
             raise unreachable(self.address, method, last, made, time.monotonic() - started)
         code, details = last.code(), last.details() or ""
         raise Unavailable(
-            f"catalog at {self.address} is unavailable after {attempts} attempt(s) of {method}: "
+            f"catalog at {self.address} is unavailable after {made} attempt(s) of {method}: "
             f"{code.name}: {details}"
         ) from None
 
