@@ -254,13 +254,13 @@ class CatalogClient:
         if while_waiting is not None:
             while_waiting()  # gRPC offers no point between sending and waiting: before the call
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        stub = self._get_stub()
         started = time.monotonic()
         attempts, made = self.retries + 1, 0
         last: grpc.RpcError | None = None
         for attempt in range(attempts):
             # Until the catalog was reached once, a catalog that is down or a wrong address fails
             # within one timeout and says so: no waiting for a connection, the attempts share it.
+            stub = self._get_stub()  # a fresh channel after a fork or close(): not reached yet
             first_contact = not self._reached
             left = started + timeout - time.monotonic() if first_contact else timeout
             if attempt:
