@@ -128,6 +128,12 @@ EXTRA_OF_MODULE = {
 }
 
 
+class CompileTargetError(MxRefitError, ValueError):
+    """A version's compiled form (compile target, its metadata, the runtime it was compiled for)
+    is not one this receiver can load; names the tensor, the offered target and the wanted one.
+    The receiver keeps its previous weights."""
+
+
 class MissingExtra(MxRefitError, ImportError):
     """An optional dependency is not installed; the message names the extra that installs it."""
 

@@ -7,6 +7,7 @@ speak them without paying for heavy imports.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -14,8 +15,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "COMPILE_TARGETS",
     "DTYPE_SIZES",
+    "HF_RAW",
     "BlockChecksums",
+    "CompileCompat",
     "CudaIpcExport",
     "IpcRegion",
     "MemType",
@@ -47,6 +51,15 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
     "bool": 1,
 }
+
+
+# The compile target of bytes as trained (Megatron/HF form, the trainer's dtype): the default,
+# never sent on the wire (an empty TensorDescriptor.compile_target means it).
+HF_RAW = "hf_raw"
+# Compile targets this project knows (any lowercase identifier is accepted; these are the named
+# ones): "fp8_block" is FP8 E4M3 with 128x128 block scales (``weight`` + ``weight_scale_inv``),
+# the form vLLM's block-FP8 linear layers load (see mx_refit.fp8).
+COMPILE_TARGETS = (HF_RAW, "fp8_block", "vllm_fused", "deepgemm_fp8", "cutlass_fp8", "trtllm")
 
 
 class Role(str, enum.Enum):
@@ -133,6 +146,10 @@ class TensorDescriptor:
     mem_type: MemType = MemType.DRAM
     device_id: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    # The form the bytes are in (``HF_RAW``: as trained) and what a reader must know about it
+    # (string -> string; a reader's TargetLayout.required_metadata must be a subset).
+    compile_target: str = HF_RAW
+    compile_metadata: dict[str, str] = field(default_factory=dict)
 
     @property
     def itemsize(self) -> int:
@@ -192,6 +209,33 @@ class BlockChecksums:
 
 
 @dataclass(frozen=True)
+class CompileCompat:
+    """What a source's compiled bytes depend on (compared by readers for every compile target
+    but ``hf_raw``). An empty field is "not stated" and matches anything."""
+
+    framework: str = ""
+    torch_version: str = ""
+    cuda_version: str = ""
+    triton_version: str = ""
+    gpu_arch: str = ""
+    compile_config_digest: str = ""
+
+    def mismatches(self, other: "CompileCompat") -> list[str]:
+        """``"field: mine vs theirs"`` for each field both state and that differs."""
+        out = []
+        for name in COMPAT_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine and theirs and mine != theirs:
+                out.append(f"{name}: {theirs!r} offered, {mine!r} wanted")
+        return out
+
+
+COMPAT_FIELDS = (
+    "framework", "torch_version", "cuda_version", "triton_version", "gpu_arch", "compile_config_digest",
+)
+
+
+@dataclass(frozen=True)
 class SourceInfo:
     """A publishing process (a trainer rank or a replica) and everything a reader needs of it.
 
@@ -237,6 +281,11 @@ class SourceInfo:
     # ``tensors`` is its one registered receive arena (a uint8 buffer). Empty for a trainer rank.
     mirrors: tuple[Mirror, ...] = ()
     lease_fence_s: float = 0.0
+    # Content-addressed revision of this version's bytes (same source_id and revision: identical
+    # bytes; "" not stated) and what compiled bytes depend on (None: nothing stated). Neither is
+    # part of ``layout_digest``: both may change every version while the layout does not.
+    revision: str = ""
+    compat: CompileCompat | None = None
 
 
 @dataclass(frozen=True)
@@ -267,6 +316,13 @@ class TargetLayout:
 
     ``full_tensors=True`` asks for whole HF tensors (the engine's loader shards them itself);
     otherwise only this rank's TP/EP slice of each HF tensor is planned and pulled.
+
+    ``compile_targets``: the forms the receiver's engine loads (a whitelist; default ``hf_raw``
+    only). ``required_metadata``: ``(key, value)`` pairs every tensor of a non-``hf_raw`` target
+    must carry in its ``compile_metadata`` (subset rule; a dict is accepted and kept sorted).
+    ``compat``: the receiver's runtime, compared with each source's for every target but
+    ``hf_raw`` (None: not compared). Discovery refuses a version that cannot satisfy them
+    (:func:`mx_refit.compile_targets.check_compile_targets`).
     """
 
     tp_rank: int = 0
@@ -274,6 +330,19 @@ class TargetLayout:
     ep_rank: int = 0
     ep_size: int = 1
     full_tensors: bool = True
+    compile_targets: tuple[str, ...] = (HF_RAW,)
+    required_metadata: tuple[tuple[str, str], ...] = ()
+    compat: CompileCompat | None = None
+
+    def __post_init__(self) -> None:
+        # Hashable whatever the caller passed: plans are cached by the target layout.
+        if not isinstance(self.compile_targets, tuple):
+            targets = (self.compile_targets,) if isinstance(self.compile_targets, str) else self.compile_targets
+            object.__setattr__(self, "compile_targets", tuple(targets))
+        metadata = self.required_metadata
+        if isinstance(metadata, Mapping) or not isinstance(metadata, tuple):
+            items = metadata.items() if isinstance(metadata, Mapping) else metadata
+            object.__setattr__(self, "required_metadata", tuple(sorted((str(k), str(v)) for k, v in items)))
 
 
 @dataclass

@@ -27,7 +27,10 @@ from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.validation import json_text, to_json_value
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import (
+    COMPAT_FIELDS,
+    HF_RAW,
     BlockChecksums,
+    CompileCompat,
     CudaIpcExport,
     IpcRegion,
     MemType,
@@ -181,6 +184,19 @@ def _fill_descriptor(msg: pb.TensorDescriptor, desc: TensorDescriptor, field: st
         raise InvalidArgument(f"{field}.extras: must be a mapping, got {type(extras).__name__}")
     if extras:
         msg.extras_json = json_to_text(extras, f"{field}.extras")
+    target = desc.compile_target
+    if target != HF_RAW:  # the default stays off the wire: old payloads are byte-identical
+        try:
+            msg.compile_target = target
+            if desc.compile_metadata:
+                msg.compile_metadata.update(desc.compile_metadata)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgument(f"{field}.compile_metadata: cannot encode {desc.compile_metadata!r}: {exc}") from None
+    elif desc.compile_metadata:
+        raise InvalidArgument(
+            f"{field}.compile_metadata: {desc.compile_metadata!r} given for tensor {desc.name!r} "
+            f"of compile target {HF_RAW!r}, which takes none"
+        )
 
 
 def descriptor_to_proto(desc: TensorDescriptor, field: str = "tensor") -> pb.TensorDescriptor:
@@ -212,6 +228,8 @@ def descriptor_from_proto(msg: pb.TensorDescriptor, field: str = "tensor") -> Te
         mem_type=mem_type,
         device_id=msg.device_id,
         extras=json_from_text(extras, f"{field}.extras") if extras else {},
+        compile_target=msg.compile_target or HF_RAW,
+        compile_metadata=dict(msg.compile_metadata) if msg.compile_metadata else {},
     )
 
 
@@ -232,6 +250,11 @@ def source_to_proto(
         msg.layout_digest = source.layout_digest
         msg.incarnation = source.incarnation
         msg.lease_fence_s = source.lease_fence_s
+        msg.revision = source.revision
+        if source.compat is not None:
+            msg.compat.SetInParent()
+            for name in COMPAT_FIELDS:
+                setattr(msg.compat, name, getattr(source.compat, name))
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
     if source.cuda_ipc is not None:
@@ -306,6 +329,11 @@ def source_from_proto(
         ),
         mirrors=tuple(Mirror(m.source_id, m.source_addr, m.nbytes, m.addr) for m in msg.mirrors),
         lease_fence_s=msg.lease_fence_s,
+        revision=msg.revision,
+        compat=(
+            CompileCompat(**{name: getattr(msg.compat, name) for name in COMPAT_FIELDS})
+            if msg.HasField("compat") else None
+        ),
     )
 
 

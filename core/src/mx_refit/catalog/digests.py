@@ -28,7 +28,7 @@ from typing import Any
 
 from mx_refit.catalog.validation import same_json
 from mx_refit.errors import MxRefitError
-from mx_refit.types import SourceInfo, TensorDescriptor, VersionInfo
+from mx_refit.types import HF_RAW, SourceInfo, TensorDescriptor, VersionInfo
 
 __all__ = [
     "NOTHING_KNOWN",
@@ -77,6 +77,7 @@ def layout_digest(
             d.mem_type,
             d.device_id,
             d.extras,
+            *_compile_form(d),
         )
         for d in tensors
     ]
@@ -88,6 +89,13 @@ def layout_digest(
         allow_nan=False,
     )
     return _digest(text, b"mx-refit/layout")
+
+
+def _compile_form(d: TensorDescriptor) -> tuple[Any, ...]:
+    # Only a compiled tensor adds its form, so digests of hf_raw layouts did not change.
+    if d.compile_target == HF_RAW and not d.compile_metadata:
+        return ()
+    return ("compile", d.compile_target, d.compile_metadata)
 
 
 def sidecar_digest(sidecar_text: str) -> str:

@@ -19,9 +19,16 @@ from typing import Any
 
 from mx_refit.checks import check_flag, check_name  # check_name: re-exported for the catalog
 from mx_refit.checksums import validate_checksums
+from mx_refit.compile_targets import (
+    validate_compat,
+    validate_compile_metadata,
+    validate_compile_target,
+    validate_revision,
+)
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import (
     DTYPE_SIZES,
+    HF_RAW,
     CudaIpcExport,
     IpcRegion,
     MemType,
@@ -344,7 +351,17 @@ def validate_descriptor(desc: object, index: int) -> TensorDescriptor:
         mem_type=_enum(MemType, desc.mem_type, index, "mem_type"),
         device_id=device_id,
         extras=_extras(desc.extras, index),
+        **_compile_fields(desc, index),
     )
+
+
+def _compile_fields(desc: TensorDescriptor, index: int) -> dict[str, Any]:
+    target = desc.compile_target
+    if target == HF_RAW and not desc.compile_metadata:  # the common case: nothing to copy
+        return {}
+    target = validate_compile_target(target, f"{_at(index)}.compile_target")
+    metadata = validate_compile_metadata(desc.compile_metadata, f"{_at(index)}.compile_metadata", target)
+    return {"compile_target": target, "compile_metadata": metadata}
 
 
 def _geometry_problem(
@@ -460,6 +477,8 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         lease_fence_s=check_seconds(
             source.lease_fence_s, "source.lease_fence_s", maximum=limits.max_ttl_s, allow_zero=True
         ),
+        revision=validate_revision(source.revision),
+        compat=validate_compat(source.compat),
     )
 
 

@@ -93,7 +93,8 @@ def layout_key(info: VersionInfo, target: TargetLayout) -> int:
     sources = tuple(
         (s.source_id, s.regions, tuple(
             (d.name, d.dtype, d.global_shape, d.local_shape, d.addr, d.nbytes, d.role, d.shard_axis,
-             d.shard_offset, d.mem_type, d.device_id, repr(d.extras) if d.extras else "")
+             d.shard_offset, d.mem_type, d.device_id, repr(d.extras) if d.extras else "",
+             d.compile_target, repr(d.compile_metadata) if d.compile_metadata else "")
             for d in s.tensors
         ))
         for s in info.sources

@@ -73,7 +73,14 @@ class MeshPosition(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., etp_rank: _Optional[int] = ..., etp_size: _Optional[int] = ...) -> None: ...
 
 class TensorDescriptor(_message.Message):
-    __slots__ = ("name", "dtype", "global_shape", "local_shape", "addr", "nbytes", "role", "shard_axis", "shard_offset", "mem_type", "device_id", "extras_json")
+    __slots__ = ("name", "dtype", "global_shape", "local_shape", "addr", "nbytes", "role", "shard_axis", "shard_offset", "mem_type", "device_id", "extras_json", "compile_target", "compile_metadata")
+    class CompileMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +93,8 @@ class TensorDescriptor(_message.Message):
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_METADATA_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     global_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -98,10 +107,28 @@ class TensorDescriptor(_message.Message):
     mem_type: MemType
     device_id: int
     extras_json: str
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ...) -> None: ...
+    compile_target: str
+    compile_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., local_shape: _Optional[_Iterable[int]] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., shard_axis: _Optional[int] = ..., shard_offset: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., extras_json: _Optional[str] = ..., compile_target: _Optional[str] = ..., compile_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CompileCompat(_message.Message):
+    __slots__ = ("framework", "torch_version", "cuda_version", "triton_version", "gpu_arch", "compile_config_digest")
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRITON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GPU_ARCH_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    framework: str
+    torch_version: str
+    cuda_version: str
+    triton_version: str
+    gpu_arch: str
+    compile_config_digest: str
+    def __init__(self, framework: _Optional[str] = ..., torch_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., gpu_arch: _Optional[str] = ..., compile_config_digest: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors", "lease_fence_s")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors", "lease_fence_s", "revision", "compat")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +143,8 @@ class SourceInfo(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FENCE_S_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
@@ -130,7 +159,9 @@ class SourceInfo(_message.Message):
     checksums: BlockChecksums
     mirrors: _containers.RepeatedCompositeFieldContainer[Mirror]
     lease_fence_s: float
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: bool = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: bool = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ...) -> None: ...
+    revision: str
+    compat: CompileCompat
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: bool = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: bool = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ..., revision: _Optional[str] = ..., compat: _Optional[_Union[CompileCompat, _Mapping]] = ...) -> None: ...
 
 class BlockChecksums(_message.Message):
     __slots__ = ("block_bytes", "sums")
