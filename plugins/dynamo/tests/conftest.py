@@ -8,9 +8,7 @@ starts its engine.
 
 from __future__ import annotations
 
-import random
 import re
-import socket
 import sys
 from collections.abc import Iterator
 from functools import partial
@@ -46,32 +44,20 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"- {line}")
 
 
-def system_port() -> int:
-    """A free port below 32768: Dynamo 1.6.1 parses DYN_SYSTEM_PORT as an i16."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
-
-
 class DynamoWorkerProc:
     """One ``_dynamo_worker.py`` process: a Dynamo worker and the vLLM ranks behind it."""
 
     def __init__(self, name: str, tp: int, hf_dir: Path, log_dir: Path, **extra: str) -> None:
-        port = system_port()
         args = ["--namespace", name, "--tp", str(tp), "--hf-dir", str(hf_dir), "--log-dir", str(log_dir)]
         for key, value in extra.items():
             args += [f"--{key.replace('_', '-')}", value]
-        env = {"DYN_SYSTEM_PORT": str(port), "DYN_SYSTEM_HOST": "127.0.0.1", "DYN_NAMESPACE": name}
+        # Port 0: the system server binds a free port and the worker reports its URL, so no
+        # port is probed here and taken by someone else before Dynamo binds it.
+        env = {"DYN_SYSTEM_PORT": "0", "DYN_SYSTEM_HOST": "127.0.0.1", "DYN_NAMESPACE": name}
         self.child = Child(name, sys.executable, str(HERE / "_dynamo_worker.py"), args, log_dir, env, 1500.0)
         self.name = name
         self.tp = tp
-        self.system_url = f"http://127.0.0.1:{port}"
+        self.system_url: str = self.child.hello["system_url"]
         self.current = hf_dir  # the checkpoint the live weights equal
 
     def call(self, cmd: str, arg: Any = None) -> Any:
