@@ -191,7 +191,7 @@ def _every_key_set(address: str) -> WeightSyncConfig:
         transfer_timeout_s=7.0, lease_ttl_s=9.0, source_ttl_s=6.0, drain_timeout_s=8.0, full_tensors=False,
         plugins=[], role_overrides=[RoleOverrideConfig(role="row", pattern="*.fc2.weight")],
         plugin_settings={"myplugin": {"knob": 1}}, transport="nixl", checksums=True, checksum_block_bytes=8192,
-        fanout="tree", max_readers_per_source=2,
+        fanout="tree", max_readers_per_source=2, publish_format="fp8_block",
     )
 
 
@@ -214,6 +214,7 @@ CONSUMED = {
     "checksum_block_bytes": "Publisher.checksum_block_bytes (the block size it publishes)",
     "fanout": "Receiver.fanout (offers its arena as a replica, reads replicas)",
     "max_readers_per_source": "Receiver.max_readers_per_source (sent with each lease)",
+    "publish_format": "Publisher.publish_format (quantises linear weights; 'w' below is 1-D and stays as is)",
 }
 CATALOG_CONSUMED = {"mode", "address", "host", "port", "advertise_host", "token", "store"}
 
@@ -232,6 +233,7 @@ def test_every_config_key_is_consumed(mx_catalog, tmp_path):
         assert (rec.model, rec.transfer_timeout_s, rec.lease_ttl_s) == ("every-key", 7.0, 9.0)
         assert pub.transport.mode == rec.transport.mode == "nixl"
         assert pub.checksums and rec.checksums and pub.checksum_block_bytes == 8192
+        assert pub.publish_format == "fp8_block"
         assert rec.target == TargetLayout(full_tensors=False)
         assert (rec.fanout, rec.max_readers_per_source) == ("tree", 2)
         assert seen.settings[-1] == as_dict(cfg) and seen.settings[-1]["plugin_settings"] == {"myplugin": {"knob": 1}}

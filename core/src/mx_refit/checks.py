@@ -30,6 +30,7 @@ __all__ = [
     "FANOUT_MODES",
     "NIXL",
     "NO_FANOUT",
+    "PUBLISH_FORMATS",
     "STANDALONE",
     "TRANSPORT_MODES",
     "TREE",
@@ -51,6 +52,10 @@ TRANSPORT_MODES = (AUTO, NIXL, CUDA_IPC)
 NO_FANOUT = "none"
 TREE = "tree"
 FANOUT_MODES = (NO_FANOUT, TREE)
+
+# weight_sync.publish_format: the trainer's dtype as is, or FP8 E4M3 with 128x128 block scales
+# (mx_refit.fp8; the compile target "fp8_block").
+PUBLISH_FORMATS = ("bf16", "fp8_block")
 
 # weight_sync.catalog.mode: embedded (started in the trainer's driver) or a standalone server.
 EMBEDDED = "embedded"

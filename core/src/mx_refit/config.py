@@ -10,7 +10,7 @@ kept for that plugin in :attr:`WeightSyncConfig.plugin_settings`. Errors name th
 Where each key takes effect:
 
 - ``model_name``, ``source_ttl_s``, ``drain_timeout_s``, ``checksums``, ``checksum_block_bytes``,
-  ``plugins``, ``role_overrides``: ``Publisher.from_config``; ``model_name``,
+  ``publish_format``, ``plugins``, ``role_overrides``: ``Publisher.from_config``; ``model_name``,
   ``transfer_timeout_s``, ``lease_ttl_s``, ``full_tensors``, ``checksums``, ``plugins``,
   ``role_overrides``, ``fanout``, ``max_readers_per_source``: ``Receiver.from_config``. Both call
   ``Hooks.configure(as_dict(cfg))``, so plugins see the whole block (their namespace included).
@@ -136,6 +136,7 @@ class WeightSyncConfig:
     transport: str = AUTO  # auto | nixl | cuda_ipc (see README, "Data paths")
     checksums: bool = False  # end-to-end per-block checksums (see README, "End-to-end checksums")
     checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES  # block size of those checksums (publishers)
+    publish_format: str = "bf16"  # bf16 | fp8_block: quantise linear weights on publish (README, "FP8 on publish")
     fanout: str = NO_FANOUT  # none | tree: receivers republish their arena as replicas (README, "Fan-out")
     max_readers_per_source: int = 0  # > 0: concurrent readers one source serves at most
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
@@ -169,6 +170,9 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
     from mx_refit.checksums import check_block_bytes
 
     check_block_bytes(cfg.checksum_block_bytes, "weight_sync.checksum_block_bytes")
+    from mx_refit.checks import PUBLISH_FORMATS
+
+    check_mode(cfg.publish_format, "weight_sync.publish_format", PUBLISH_FORMATS)
     check_mode(cfg.fanout, "weight_sync.fanout", FANOUT_MODES)
     check_count(cfg.max_readers_per_source, "weight_sync.max_readers_per_source", minimum=0, setting=True)
     roles = {r.value for r in Role}

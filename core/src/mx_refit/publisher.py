@@ -16,7 +16,7 @@ from mx_refit._heartbeat import Heartbeat
 from mx_refit.checks import AUTO, check_count, check_flag, check_seconds
 from mx_refit.config import DEFAULT_CHECKSUM_BLOCK_BYTES, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LEASE_TTL_S, DEFAULT_SOURCE_TTL_S
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from mx_refit.types import MemType, MeshPosition, PublishedTensor, SourceInfo, TensorDescriptor, VersionState
+from mx_refit.types import BlockChecksums, MemType, MeshPosition, PublishedTensor, SourceInfo, TensorDescriptor, VersionState
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -73,7 +73,20 @@ def describe(published: PublishedTensor) -> TensorDescriptor:
         mem_type=MemType.VRAM if tensor.is_cuda else MemType.DRAM,
         device_id=int(tensor.device.index or 0) if tensor.is_cuda else 0,
         extras=dict(published.extras),
+        compile_target=published.compile_target,
+        compile_metadata=dict(published.compile_metadata),
     )
+
+
+def _revision(checksums: "BlockChecksums | None") -> str:
+    """Content-addressed from the block checksums when they are on (equal sums of the same
+    source: equal bytes, up to the checksum's strength); not stated otherwise."""
+    if checksums is None:
+        return ""
+    import hashlib
+
+    text = f"{checksums.block_bytes}:" + ",".join(map(str, checksums.sums))
+    return "b2:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def mesh_source_id(model: str, mesh: MeshPosition) -> str:
@@ -131,11 +144,15 @@ class Publisher:
         transport_mode: str = AUTO,
         checksums: bool = False,
         checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES,
+        publish_format: str = "bf16",
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
+        from mx_refit.checks import PUBLISH_FORMATS, check_mode
         from mx_refit.checksums import check_block_bytes
         from mx_refit.plugins import Hooks
 
+        self.publish_format = check_mode(publish_format, "publish_format", PUBLISH_FORMATS)
+        self._fp8: Any = None  # mx_refit.fp8.Fp8Publishing once publish_format is fp8_block
         self.checksums = check_flag(checksums, "checksums")
         self.checksum_block_bytes = check_block_bytes(checksum_block_bytes, "checksum_block_bytes")
         self.model = model
@@ -172,6 +189,11 @@ class Publisher:
             self._beat, min(ttl_s / 3, _MAX_BEAT_INTERVAL_S), name=f"mx-refit-publisher[{self.source_id}]"
         )
 
+    @property
+    def quantize_seconds(self) -> float:
+        """Wall seconds the last publish spent quantising (publish_format fp8_block), else 0."""
+        return self._fp8.seconds if self._fp8 is not None else 0.0
+
     @classmethod
     def from_config(
         cls,
@@ -201,6 +223,7 @@ class Publisher:
             "transport_mode": cfg.transport,
             "checksums": cfg.checksums,
             "checksum_block_bytes": cfg.checksum_block_bytes,
+            "publish_format": cfg.publish_format,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -270,6 +293,13 @@ class Publisher:
             for key, value in self.hooks.build_sidecar(model, self.mesh).items():
                 merged_sidecar.setdefault(key, value)
         assert tensors is not None
+        compat = None
+        if self.publish_format != "bf16":  # quantised into persistent buffers before mark_ready
+            from mx_refit.fp8 import Fp8Publishing
+
+            self._fp8 = self._fp8 or Fp8Publishing()
+            tensors = self._fp8.convert(tensors)
+            compat = self._fp8.compat()
         descriptors = tuple(describe(t) for t in tensors)
         self.transport.register_many([t.tensor for t in tensors])
         if not self._owns_transport:
@@ -292,6 +322,8 @@ class Publisher:
             incarnation=self.incarnation,
             checksums=checksums,
             lease_fence_s=self.lease_fence_s,
+            revision=_revision(checksums),
+            compat=compat,
         )
         self.client.register_source(
             model=self.model,
@@ -314,7 +346,8 @@ class Publisher:
         self.hooks.version_published(self.model, version, self.source_id, self.mesh)
         if state == VersionState.READY:
             self.hooks.version_ready(self.model, version)
-        log.info("published %s v%d from %s (%d tensors)", self.model, version, self.source_id, len(descriptors))
+        log.info("published %s v%d from %s (%d tensors%s)", self.model, version, self.source_id, len(descriptors),
+                 f", {self.publish_format} quantised in {self._fp8.seconds:.3f}s" if self._fp8 else "")
         return state
 
     def wait_ready(self, version: int, timeout_s: float = 120.0) -> None:

@@ -359,6 +359,9 @@ class PublishedTensor:
     shard_axis: int = -1
     shard_offset: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    # The form of the bytes (HF_RAW: as trained) and its metadata (see TensorDescriptor).
+    compile_target: str = HF_RAW
+    compile_metadata: dict[str, str] = field(default_factory=dict)
 
 
 class ReadOp(NamedTuple):
@@ -404,6 +407,8 @@ class RefitStats:
     # How the lease was known held for the whole pull: "catalog" (the release's answer was
     # waited for) or "deadline" (its local bound, under the sources' fences; sent after).
     lease_confirmed_by: str = "catalog"
+    # The version's compiled target (mx_refit.compile_targets): "hf_raw", or e.g. "fp8_block".
+    compile_target: str = HF_RAW
 
     @property
     def gbps(self) -> float:

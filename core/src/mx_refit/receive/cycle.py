@@ -256,5 +256,6 @@ class RefitCycle:
             failed_over=pulled_by.failed_over,
             bytes_reread=pulled_by.bytes_reread,
             lease_confirmed_by=confirmed_by,
+            compile_target=self._plans.compile_target,
         )
 

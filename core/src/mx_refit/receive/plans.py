@@ -11,6 +11,7 @@ import json
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from mx_refit.compile_targets import check_compile_targets
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import SourceInfo, TargetLayout, VersionInfo
 
@@ -31,6 +32,8 @@ class PlanCache:
     def __init__(self) -> None:
         self._plan: "tuple[int, ReceivePlan, Requests] | None" = None
         self._widening: "tuple[Any, Verification] | None" = None
+        self._checked: tuple[int, tuple[Any, ...]] | None = None
+        self.compile_target = "hf_raw"  # of the last checked version
 
     def plan(self, info: VersionInfo, target: TargetLayout, hooks: "Hooks") -> "tuple[ReceivePlan, Requests]":
         """The plan of ``info`` for ``target`` (by the plugins) and its per-source coalesced
@@ -38,6 +41,10 @@ class PlanCache:
         from mx_refit.ranges import coalesce, split_at
 
         key = layout_key(info, target)
+        checked = (key, tuple(s.compat for s in info.sources))
+        if self._checked != checked:  # the version's form against the receiver's (issue 23)
+            self.compile_target = check_compile_targets(info, target)
+            self._checked = checked
         if self._plan is not None and self._plan[0] == key:
             return self._plan[1], self._plan[2]
         plan = hooks.plan_receive(info, target)
