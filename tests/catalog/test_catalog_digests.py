@@ -24,6 +24,9 @@ from mx_refit.catalog.validation import json_text
 from mx_refit.errors import InvalidArgument
 from mx_refit.receive.plans import layout_key as _layout_key
 from mx_refit.types import (
+    CudaIpcExport,
+    IpcRegion,
+    MemType,
     MeshPosition,
     Role,
     SourceInfo,
@@ -149,7 +152,7 @@ def test_an_unchanged_republish_reuses_the_tuple_and_digest_without_rehashing(ma
     hashed: list[int] = []
     real = digests.layout_digest
     monkeypatch.setattr(
-        digests, "layout_digest", lambda t, r: hashed.append(len(t)) or real(t, r)
+        digests, "layout_digest", lambda t, r, *ipc: hashed.append(len(t)) or real(t, r, *ipc)
     )
     service = make_service()
     publish(service, "m", 1)
@@ -419,3 +422,65 @@ def test_the_layout_key_uses_digests_and_walks_only_without_them(make_service) -
     ]
     assert _layout_key(bare[0], target) == _layout_key(bare[1], target)
     assert _layout_key(bare[1], target) != _layout_key(bare[2], target)
+
+
+# --- CUDA IPC exports: one handle per region, digested with the layout -------------------------
+
+
+def scattered(count: int, handle: bytes = b"h" * 64) -> SourceInfo:
+    """``count`` VRAM tensors, each its own region (separately allocated parameters), exported
+    over CUDA IPC with one handle per region: fresh objects every call."""
+    base = 0x7F00_0000_0000
+    tensors = tuple(
+        desc(f"layers.{i}.w", dtype="bfloat16", global_shape=(64, 32), addr=base + i * 8192,
+             mem_type=MemType.VRAM)
+        for i in range(count)
+    )
+    regions = tuple((d.addr, d.nbytes) for d in tensors)
+    export = CudaIpcExport("boot", "host", 4242, "pidns", b"u" * 16,
+                           tuple(IpcRegion(a, n, handle[:-1] + bytes([i % 251]), 0)
+                                 for i, (a, n) in enumerate(regions)))
+    return SourceInfo(source_id="scattered", mesh=MeshPosition(), agent_name="a", agent_metadata=b"m",
+                      tensors=tensors, ready=True, regions=regions, cuda_ipc=export)
+
+
+@pytest.mark.parametrize("count", [10, 2_000])
+def test_a_warm_reply_leaves_out_an_unchanged_cuda_ipc_export(
+    server: CatalogServer, client: CatalogClient, model: str, count: int
+) -> None:
+    client.register_source(model, 1, 1, scattered(count), {})
+    first = client.get_version(model)
+    client.register_source(model, 2, 1, scattered(count), {})
+    with grpc.insecure_channel(server.address) as channel:
+        stub = catalog_pb2_grpc.CatalogServiceStub(channel)  # type: ignore[no-untyped-call]
+        warm = stub.GetVersion(pb.GetVersionRequest(
+            model=model, known_layout_digests={s.source_id: s.layout_digest for s in first.sources},
+            known_sidecar_digest=first.sidecar_digest,
+        ))
+    (sent,) = warm.version_info.sources
+    assert sent.tensors_omitted and not sent.HasField("cuda_ipc")
+    assert warm.ByteSize() < 400, warm  # the same whatever the count: no per-region data
+    second = client.get_version(model)
+    (a,), (b,) = first.sources, second.sources
+    assert b.cuda_ipc is a.cuda_ipc and b.cuda_ipc == scattered(count).cuda_ipc  # the held object
+    assert b.tensors is a.tensors
+
+
+def test_a_changed_cuda_ipc_handle_is_a_changed_layout_sent_in_full(
+    client: CatalogClient, model: str
+) -> None:
+    client.register_source(model, 1, 1, scattered(50), {})
+    first = client.get_version(model)
+    moved = scattered(50, handle=b"k" * 64)  # the trainer reallocated: same addresses, new handles
+    client.register_source(model, 2, 1, moved, {})
+    before = client.manifest_stats
+    second = client.get_version(model)
+    assert delta(client, before)["sources_sent"] == 1
+    assert second.sources[0].layout_digest != first.sources[0].layout_digest
+    assert second.sources[0].cuda_ipc == moved.cuda_ipc != first.sources[0].cuda_ipc
+
+
+def test_the_digest_without_an_export_is_the_digest_before_exports_were_digested() -> None:
+    src = scattered(3)
+    assert digests.layout_digest(src.tensors, src.regions) == digests.layout_digest(src.tensors, src.regions, None)
+    assert digests.layout_digest(src.tensors, src.regions, src.cuda_ipc) != digests.layout_digest(src.tensors, src.regions)

@@ -237,7 +237,8 @@ def source_to_proto(
     source: SourceInfo, msg: pb.SourceInfo | None = None, *, omit_tensors: bool = False
 ) -> pb.SourceInfo:
     """``SourceInfo`` -> message (filled into ``msg`` when given); ``omit_tensors`` leaves
-    tensors and regions out and says so (``tensors_omitted``)."""
+    tensors, regions and the CUDA IPC export (all three covered by the layout digest) out and
+    says so (``tensors_omitted``)."""
     msg = pb.SourceInfo() if msg is None else msg
     if not isinstance(source, SourceInfo):
         raise InvalidArgument(f"source: expected a SourceInfo, got {type(source).__name__}")
@@ -257,8 +258,8 @@ def source_to_proto(
                 setattr(msg.compat, name, getattr(source.compat, name))
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidArgument(f"source: cannot encode source {source.source_id!r}: {exc}") from None
-    if source.cuda_ipc is not None:
-        _fill_cuda_ipc(msg.cuda_ipc, source.cuda_ipc)
+    if source.cuda_ipc is not None and not (omit_tensors and source.layout_digest):
+        _fill_cuda_ipc(msg.cuda_ipc, source.cuda_ipc)  # else in the digested layout the reader holds
     if source.checksums is not None:  # sent also when the layout is omitted: it changes every version
         try:
             msg.checksums.block_bytes = source.checksums.block_bytes
@@ -289,12 +290,16 @@ def source_from_proto(
     """Message -> ``SourceInfo`` (not validated).
 
     ``known`` is given for GetVersion replies: a source whose ``layout_digest`` the reader holds
-    takes the held tensors and regions (decoding nothing, whether or not they were sent); one
+    takes the held tensors, regions and CUDA IPC export (decoding nothing, whether or not they were sent); one
     left out with a digest the reader does not hold raises :class:`UnknownDigest`. Without
     ``known`` (a registration), a source may not leave anything out.
     """
     digest = msg.layout_digest
     layout = known.layouts.get(digest) if known is not None and digest else None
+    if layout is not None and (layout.cuda_ipc is not None or msg.tensors_omitted):
+        cuda_ipc = layout.cuda_ipc  # the held (identical) object: later checks are identity
+    else:
+        cuda_ipc = cuda_ipc_from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None
     if layout is not None:
         tensors, regions = layout.tensors, layout.regions
     elif msg.tensors_omitted:
@@ -322,7 +327,7 @@ def source_from_proto(
         regions=regions,
         layout_digest=digest,
         incarnation=msg.incarnation,
-        cuda_ipc=cuda_ipc_from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
+        cuda_ipc=cuda_ipc,
         checksums=(
             BlockChecksums(msg.checksums.block_bytes, tuple(msg.checksums.sums))
             if msg.HasField("checksums") else None

@@ -6,8 +6,8 @@ catalog stamps every registered source with a ``layout_digest`` (a stable hash o
 descriptors and regions) and every version with a ``sidecar_digest``; a reader announces the
 digests it holds in ``GetVersionRequest`` and the catalog leaves those parts out of the reply.
 
-* Catalog side: :func:`stamp_layout` reuses the previous registration's descriptor tuple and
-  digest when the layout is unchanged, so the common case costs one equality check and no
+* Catalog side: :func:`stamp_layout` reuses the previous registration's descriptor tuple,
+  CUDA IPC export and digest when the layout is unchanged, so the common case costs one equality check and no
   hashing; :func:`sidecar_digest` hashes a version's canonical sidecar JSON once.
 * Reader side: :class:`ManifestCache` (bounded, per model) hands out :class:`Known`
   snapshots: what a request announces, and what its reply is completed from.
@@ -28,7 +28,7 @@ from typing import Any
 
 from mx_refit.catalog.validation import same_json
 from mx_refit.errors import MxRefitError
-from mx_refit.types import HF_RAW, SourceInfo, TensorDescriptor, VersionInfo
+from mx_refit.types import HF_RAW, CudaIpcExport, SourceInfo, TensorDescriptor, VersionInfo
 
 __all__ = [
     "NOTHING_KNOWN",
@@ -55,13 +55,17 @@ def _digest(text: str, person: bytes) -> str:
 
 
 def layout_digest(
-    tensors: Sequence[TensorDescriptor], regions: Sequence[tuple[int, int]]
+    tensors: Sequence[TensorDescriptor],
+    regions: Sequence[tuple[int, int]],
+    cuda_ipc: CudaIpcExport | None = None,
 ) -> str:
-    """Stable hex digest of validated descriptors and regions (same in every process).
+    """Stable hex digest of validated descriptors, regions and CUDA IPC export (same in every
+    process; without an export, the same digest as before exports were digested).
 
     Canonical JSON of every field: type-strict (``1``, ``1.0`` and ``true`` differ in extras)
     and independent of the key order of extras. Roles and memory types are ``str`` enums, so
-    JSON writes their values.
+    JSON writes their values. The export is digested because it is per region (one handle per
+    tensor for separately allocated parameters): an unchanged one stays off the wire too.
     """
     rows = [
         (
@@ -81,8 +85,15 @@ def layout_digest(
         )
         for d in tensors
     ]
+    parts: list[Any] = [rows, list(regions)]
+    if cuda_ipc is not None:
+        parts.append([
+            cuda_ipc.boot_id, cuda_ipc.host_name, cuda_ipc.pid, cuda_ipc.pid_namespace,
+            bytes(cuda_ipc.device_uuid).hex(),
+            [(r.addr, r.nbytes, bytes(r.handle).hex(), r.offset) for r in cuda_ipc.regions],
+        ])
     text = json.dumps(
-        [rows, list(regions)],
+        parts,
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,
@@ -105,11 +116,12 @@ def sidecar_digest(sidecar_text: str) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """A source's descriptors and regions together with their digest."""
+    """A source's descriptors, regions and CUDA IPC export together with their digest."""
 
     tensors: tuple[TensorDescriptor, ...]
     regions: tuple[tuple[int, int], ...]
     digest: str
+    cuda_ipc: CudaIpcExport | None = None
 
 
 def same_tensors(
@@ -134,15 +146,18 @@ def stamp_layout(source: SourceInfo, previous: Layout | None) -> tuple[SourceInf
     if (
         previous is not None
         and previous.regions == source.regions
+        and previous.cuda_ipc == source.cuda_ipc
         and same_tensors(previous.tensors, source.tensors)
     ):
         layout = previous
     else:
         layout = Layout(
-            source.tensors, source.regions, layout_digest(source.tensors, source.regions)
+            source.tensors, source.regions,
+            layout_digest(source.tensors, source.regions, source.cuda_ipc), source.cuda_ipc,
         )
     stamped = replace(
-        source, tensors=layout.tensors, regions=layout.regions, layout_digest=layout.digest
+        source, tensors=layout.tensors, regions=layout.regions, layout_digest=layout.digest,
+        cuda_ipc=layout.cuda_ipc,
     )
     return stamped, layout
 
@@ -252,7 +267,7 @@ class ManifestCache:
                 if digest:
                     latest[source.source_id] = digest
                     if digest not in entry.layouts:
-                        entry.layouts[digest] = Layout(source.tensors, source.regions, digest)
+                        entry.layouts[digest] = Layout(source.tensors, source.regions, digest, source.cuda_ipc)
             if info.sidecar_digest and info.sidecar_digest not in entry.sidecars:
                 entry.sidecars[info.sidecar_digest] = info.sidecar
             entry.latest, entry.latest_sidecar = latest, info.sidecar_digest

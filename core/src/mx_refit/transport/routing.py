@@ -266,7 +266,7 @@ class RoutingTransport:
         """The path for ``source`` into ``arena`` (logged when it changes)."""
         device = arena.device
         memo = self._choices.get(source.source_id)
-        if memo is not None and memo[1] == device and memo[0] == source.cuda_ipc:
+        if memo is not None and memo[1] == device and (memo[0] is source.cuda_ipc or memo[0] == source.cuda_ipc):
             return memo[2]
         local_uuid, peers = self._device_identity(arena)
         choice = select_path(self.mode, source.cuda_ipc, self._node, local_uuid, peers)
