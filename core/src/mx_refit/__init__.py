@@ -18,6 +18,7 @@ from mx_refit._version import __version__
 from mx_refit.errors import (
     ChecksumMismatch,
     ClassificationError,
+    CompileTargetError,
     CoverageError,
     FailedPrecondition,
     InvalidArgument,
@@ -86,6 +87,7 @@ __all__ = [
     "CatalogServer",
     "ChecksumMismatch",
     "ClassificationError",
+    "CompileTargetError",
     "CoverageError",
     "FailedPrecondition",
     "Hooks",

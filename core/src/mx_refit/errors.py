@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ChecksumMismatch",
     "ClassificationError",
+    "CompileTargetError",
     "CoverageError",
     "FailedPrecondition",
     "InvalidArgument",
