@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mx_refit.checks import PUBLISH_FORMATS
 from mx_refit.errors import InvalidArgument
-from mx_refit.types import PublishedTensor
+from mx_refit.types import PublishedTensor, Role
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -53,6 +53,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-4  # vLLM's clamp of a block's amax (an all-zero block gets this scale)
 FP8_BLOCK = "fp8_block"
 # The compile_metadata every fp8_block tensor carries; an FP8 receiver requires this subset.
+HF_MAP_KEY = "megatron.hf_map"  # the Megatron sidecar's name map (mx_refit.megatron.sidecar)
 BLOCK_METADATA = {"block_size": f"{BLOCK},{BLOCK}", "fp8_dtype": "float8_e4m3fn"}
 
 # Linear layers vLLM quantises (HF and Megatron names); everything else stays as trained.
@@ -65,9 +66,15 @@ _KEPT = re.compile(r"(embed|lm_head|output_layer|norm|router|\.mlp\.gate\.|share
 
 
 def scale_name(weight_name: str) -> str:
-    """``x.weight`` -> ``x.weight_scale_inv`` (the checkpoint name vLLM loads)."""
-    stem = weight_name.removesuffix(".weight") if weight_name.endswith(".weight") else weight_name
-    return f"{stem}.weight_scale_inv"
+    """``x.weight`` -> ``x.weight_scale_inv`` (the checkpoint name vLLM loads); a Megatron
+    grouped expert ``x.weight7`` -> ``x_scale_inv.weight7`` (keeps the expert id last, where the
+    planner parses it; its HF names come from the sidecar's name map)."""
+    if weight_name.endswith(".weight"):
+        return f"{weight_name.removesuffix('.weight')}.weight_scale_inv"
+    stem, sep, expert = weight_name.rpartition(".weight")
+    if sep and expert.isdigit():
+        return f"{stem}_scale_inv.weight{expert}"
+    return f"{weight_name}.weight_scale_inv"
 
 
 def is_quantized_weight(name: str, ndim: int, dtype_name: str) -> bool:
@@ -140,11 +147,16 @@ def check_block_aligned(published: PublishedTensor, shape: tuple[int, ...]) -> N
     """Refuse a shard whose edges cut a 128 block (its scales would differ from the full
     tensor's): names the tensor, the axis, the offset and the extent."""
     axis = published.shard_axis
+    full = published.global_shape or shape
+    start = published.shard_offset
+    end = start + shape[axis] if axis >= 0 else 0
+    if published.role in (Role.GATED_MLP_COLUMN, Role.EXPERT_COLUMN) and (shape[0] % 2 or (shape[0] // 2) % BLOCK):
+        raise InvalidArgument(
+            f"tensors[{published.name!r}]: its [gate; up] halves of {shape[0] // 2} rows cut a {BLOCK}x{BLOCK} FP8 "
+            f"block; publish_format {FP8_BLOCK!r} needs each half on a multiple of {BLOCK} (publish bf16)"
+        )
     if axis < 0:
         return
-    full = published.global_shape or shape
-    start, extent = published.shard_offset, shape[axis]
-    end = start + extent
     if start % BLOCK or (end % BLOCK and end != full[axis]):
         raise InvalidArgument(
             f"tensors[{published.name!r}]: shard [{start}, {end}) of dim {axis} (of {full[axis]}) cuts a "
@@ -183,7 +195,7 @@ class Fp8Pair:
         src = self.source
         full = tuple(src.global_shape) if src.global_shape is not None else tuple(src.tensor.shape)
         weight_meta = {**BLOCK_METADATA, "scale": scale_name(src.name)}
-        scale_meta = {**BLOCK_METADATA, "scale_of": src.name}
+        scale_meta = {**BLOCK_METADATA, "scale_of": src.name, "weight_shape": ",".join(map(str, full))}
         weight = PublishedTensor(src.name, self.q, src.role, full, src.shard_axis, src.shard_offset, dict(src.extras),
                                  compile_target=FP8_BLOCK, compile_metadata=weight_meta)
         grid_offset = src.shard_offset // BLOCK if src.shard_axis >= 0 else 0
@@ -237,6 +249,19 @@ class Fp8Publishing:
         self.seconds = time.perf_counter() - start
         self.bytes_in = bytes_in
         return out
+
+    def extend_sidecar(self, sidecar: dict[str, Any]) -> None:
+        """Give every quantised weight's scale grid a name-map entry next to the weight's
+        (Megatron sidecars: ``megatron.hf_map``), so planners map it to the HF scale names."""
+        hf_map = sidecar.get(HF_MAP_KEY)
+        if not isinstance(hf_map, dict):
+            return
+        extended = dict(hf_map)
+        for name in self._pairs:
+            entry = hf_map.get(name)
+            if isinstance(entry, dict) and isinstance(entry.get("hf"), list):
+                extended[scale_name(name)] = {**entry, "hf": [scale_name(h) for h in entry["hf"]]}
+        sidecar[HF_MAP_KEY] = extended
 
     def compat(self) -> "CompileCompat":
         """What the FP8 bytes depend on: the arithmetic (block size, rounding, vLLM's formula),

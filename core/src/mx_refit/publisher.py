@@ -299,6 +299,7 @@ class Publisher:
 
             self._fp8 = self._fp8 or Fp8Publishing()
             tensors = self._fp8.convert(tensors)
+            self._fp8.extend_sidecar(merged_sidecar)
             compat = self._fp8.compat()
         descriptors = tuple(describe(t) for t in tensors)
         self.transport.register_many([t.tensor for t in tensors])

@@ -23,6 +23,7 @@ the bands of one geometry, then builds one of two shapes of template:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -230,6 +231,32 @@ _IDENTITY, _QKV, _GATED = 1, 3, 2  # transform kinds = number of HF outputs
 _EXPECTED_OUTPUTS = {Role.QKV_COLUMN: _QKV, Role.GATED_MLP_COLUMN: _GATED, Role.EXPERT_COLUMN: _GATED}
 
 
+def scale_grid_units(kind: int, desc: TensorDescriptor, cfg: MegatronConfig, tgt: TargetLayout) -> MegatronConfig:
+    """An FP8 scale grid (one float per ``block_size`` block of its weight, see mx_refit.fp8) is
+    planned like its weight in units of blocks: the config in blocks (head_dim / block) and a check
+    that every boundary the target cuts (q/k/v heads, TP windows) falls on a block edge, as vLLM
+    requires of block-FP8 layers; ``ValueError`` naming the boundary otherwise."""
+    meta = desc.compile_metadata
+    block_rows, _, block_cols = meta.get("block_size", "").partition(",")
+    if not (block_rows.isdigit() and block_cols.isdigit()):
+        raise ValueError(
+            f"FP8 scale grid of {meta['scale_of']!r}: compile_metadata block_size {meta.get('block_size')!r} is not 'rows,cols'"
+        )
+    block = int(block_rows)
+    if kind == _QKV:
+        if cfg.head_dim % block:
+            raise ValueError(f"FP8 scale grid of {meta['scale_of']!r}: head_dim {cfg.head_dim} is not a multiple of the "
+                             f"{block}-row block, so q/k/v blocks straddle heads (publish bf16)")
+        cfg = dataclasses.replace(cfg, head_dim=cfg.head_dim // block)
+    shape = [int(n) for n in meta.get("weight_shape", "").split(",") if n.isdigit()]
+    if not tgt.full_tensors and tgt.tp_size > 1 and desc.role is not Role.REPLICATED:
+        ragged = [n for n, b in zip(shape, (block, int(block_cols))) if n % b]
+        if ragged:
+            raise ValueError(f"FP8 weight {meta['scale_of']!r} of shape {tuple(shape)}: target TP {tgt.tp_size} would cut its "
+                             f"ragged last {block}x{block_cols} block; vLLM refuses such a block-FP8 split too")
+    return cfg
+
+
 def build_template(
     mname: str,
     kind: int,
@@ -249,6 +276,8 @@ def build_template(
     geometry or a target that does not divide the tensor.
     """
     role, gshape, axis = desc.role, tuple(desc.global_shape), desc.shard_axis
+    if desc.compile_metadata and "scale_of" in desc.compile_metadata:  # an FP8 block-scale grid
+        cfg, vocab_like = scale_grid_units(kind, desc, cfg, tgt), False
     expected = _EXPECTED_OUTPUTS.get(role, _IDENTITY)
     if kind != expected and not (role is Role.EXPERT_COLUMN and kind == _IDENTITY):
         raise ValueError(f"role {role.value!r} maps to {expected} HF tensors, the sidecar lists {kind}")
