@@ -21,6 +21,7 @@ __all__ = [
     "BlockChecksums",
     "CompileCompat",
     "CudaIpcExport",
+    "DeltaForm",
     "IpcRegion",
     "MemType",
     "MeshPosition",
@@ -29,8 +30,10 @@ __all__ = [
     "ReadOp",
     "RefitStats",
     "Role",
+    "SourceDelta",
     "SourceInfo",
     "TargetLayout",
+    "TensorDelta",
     "TensorDescriptor",
     "VersionInfo",
     "VersionState",
@@ -208,6 +211,44 @@ class BlockChecksums:
     sums: tuple[int, ...]
 
 
+class DeltaForm(str, enum.Enum):
+    """How one tensor's change since a base version is recorded (layouts: :mod:`mx_refit.delta`)."""
+
+    WHOLE = "whole"  # changed densely: read the tensor itself
+    SPARSE = "sparse"  # changed elements: chunk counts, offsets, new bytes
+    BLOCKS = "blocks"  # changed 256-byte blocks: a bitmap, then the blocks
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """One changed tensor of a :class:`SourceDelta`: ``tensor`` indexes ``SourceInfo.tensors``;
+    its record is ``nbytes`` at ``offset`` of the delta's record region (0 and 0 for WHOLE)."""
+
+    tensor: int
+    form: DeltaForm
+    offset: int
+    nbytes: int
+    changed: int
+    narrow: int = 0  # SPARSE: changed elements whose only changed byte is the first
+
+
+@dataclass(frozen=True)
+class SourceDelta:
+    """A source's bytes as a change against ``base_version`` of the same source and layout
+    (``weight_sync.delta``). ``base_digest`` names the base's checksums
+    (:func:`mx_refit.delta.checksums_digest`): a reader applies the delta only onto bytes it
+    verified against exactly those. The records live in their own registered region
+    ``(addr, nbytes)``, checked by ``record_sums`` (blocks of the source's checksum block size).
+    Tensors without an entry did not change."""
+
+    base_version: int
+    base_digest: str
+    addr: int
+    nbytes: int
+    tensors: tuple[TensorDelta, ...]
+    record_sums: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class CompileCompat:
     """What a source's compiled bytes depend on (compared by readers for every compile target
@@ -286,6 +327,8 @@ class SourceInfo:
     # part of ``layout_digest``: both may change every version while the layout does not.
     revision: str = ""
     compat: CompileCompat | None = None
+    # weight_sync.delta: what changed since a base version (None: a full version only).
+    delta: SourceDelta | None = None
 
 
 @dataclass(frozen=True)

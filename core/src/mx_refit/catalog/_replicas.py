@@ -150,7 +150,7 @@ class ReplicaCatalog:
             mirrors = validate_mirrors(rec, clean, source.mirrors, self.limits.max_descriptors_per_source)
             # A replica's arena is rewritten once the catalog says its readers left; it makes
             # no promise for leases a catalog restart loses, so its readers wait for answers.
-            clean = replace(clean, mirrors=mirrors, incarnation="", lease_fence_s=0.0)
+            clean = replace(clean, mirrors=mirrors, incarnation="", lease_fence_s=0.0, delta=None)
             old = rec.replicas.get(sid)
             if old is not None and sid not in rec.withdrawn:
                 if replace(old, ready=clean.ready) != clean:

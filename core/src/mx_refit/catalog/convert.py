@@ -32,18 +32,22 @@ from mx_refit.types import (
     BlockChecksums,
     CompileCompat,
     CudaIpcExport,
+    DeltaForm,
     IpcRegion,
     MemType,
     MeshPosition,
     Mirror,
     Role,
+    SourceDelta,
     SourceInfo,
+    TensorDelta,
     TensorDescriptor,
     VersionInfo,
     VersionState,
 )
 
 __all__ = [
+    "delta_from_proto",
     "descriptor_from_proto",
     "descriptor_to_proto",
     "json_from_text",
@@ -266,6 +270,8 @@ def source_to_proto(
             msg.checksums.sums.extend(source.checksums.sums)
         except (TypeError, ValueError, AttributeError) as exc:
             raise InvalidArgument(f"source.checksums: cannot encode: {exc}") from None
+    if source.delta is not None:  # sent also when the layout is omitted: it changes every version
+        _fill_delta(msg.delta, source.delta)
     for index, mirror in enumerate(source.mirrors):
         try:
             msg.mirrors.add(source_id=mirror[0], source_addr=mirror[1], nbytes=mirror[2], addr=mirror[3])
@@ -339,6 +345,51 @@ def source_from_proto(
             CompileCompat(**{name: getattr(msg.compat, name) for name in COMPAT_FIELDS})
             if msg.HasField("compat") else None
         ),
+        delta=delta_from_proto(msg.delta) if msg.HasField("delta") else None,
+    )
+
+
+_DELTA_FORMS = {
+    DeltaForm.WHOLE: pb.DELTA_FORM_WHOLE,
+    DeltaForm.SPARSE: pb.DELTA_FORM_SPARSE,
+    DeltaForm.BLOCKS: pb.DELTA_FORM_BLOCKS,
+}
+_DELTA_FORMS_BACK = {v: k for k, v in _DELTA_FORMS.items()}
+
+
+def _fill_delta(msg: pb.SourceDelta, delta: SourceDelta) -> None:
+    try:
+        msg.base_version = delta.base_version
+        msg.base_digest = delta.base_digest
+        msg.addr = delta.addr
+        msg.nbytes = delta.nbytes
+        msg.record_sums.extend(delta.record_sums)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidArgument(f"source.delta: cannot encode: {exc}") from None
+    for index, entry in enumerate(delta.tensors):
+        try:
+            msg.tensors.add(
+                tensor=entry.tensor, form=_DELTA_FORMS[DeltaForm(entry.form)], offset=entry.offset,
+                nbytes=entry.nbytes, changed=entry.changed, narrow=entry.narrow,
+            )
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InvalidArgument(f"source.delta.tensors[{index}]: {entry!r}: {exc}") from None
+
+
+def delta_from_proto(msg: pb.SourceDelta) -> SourceDelta:
+    """Message -> ``SourceDelta`` (not validated; an unknown form is kept as its number and
+    refused by validation)."""
+    return SourceDelta(
+        base_version=msg.base_version,
+        base_digest=msg.base_digest,
+        addr=msg.addr,
+        nbytes=msg.nbytes,
+        tensors=tuple(
+            TensorDelta(t.tensor, _DELTA_FORMS_BACK.get(t.form, t.form), t.offset, t.nbytes,  # type: ignore[arg-type]
+                        t.changed, t.narrow)
+            for t in msg.tensors
+        ),
+        record_sums=tuple(msg.record_sums),
     )
 
 

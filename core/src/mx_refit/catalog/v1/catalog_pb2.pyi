@@ -33,6 +33,13 @@ class VersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERSION_STATE_DRAINING: _ClassVar[VersionState]
     VERSION_STATE_RETIRED: _ClassVar[VersionState]
     VERSION_STATE_EXPIRED: _ClassVar[VersionState]
+
+class DeltaForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DELTA_FORM_UNSPECIFIED: _ClassVar[DeltaForm]
+    DELTA_FORM_WHOLE: _ClassVar[DeltaForm]
+    DELTA_FORM_SPARSE: _ClassVar[DeltaForm]
+    DELTA_FORM_BLOCKS: _ClassVar[DeltaForm]
 ROLE_UNSPECIFIED: Role
 ROLE_REPLICATED: Role
 ROLE_COLUMN: Role
@@ -51,6 +58,10 @@ VERSION_STATE_READY: VersionState
 VERSION_STATE_DRAINING: VersionState
 VERSION_STATE_RETIRED: VersionState
 VERSION_STATE_EXPIRED: VersionState
+DELTA_FORM_UNSPECIFIED: DeltaForm
+DELTA_FORM_WHOLE: DeltaForm
+DELTA_FORM_SPARSE: DeltaForm
+DELTA_FORM_BLOCKS: DeltaForm
 
 class MeshPosition(_message.Message):
     __slots__ = ("tp_rank", "tp_size", "pp_rank", "pp_size", "ep_rank", "ep_size", "etp_rank", "etp_size")
@@ -128,7 +139,7 @@ class CompileCompat(_message.Message):
     def __init__(self, framework: _Optional[str] = ..., torch_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., gpu_arch: _Optional[str] = ..., compile_config_digest: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors", "lease_fence_s", "revision", "compat")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors", "lease_fence_s", "revision", "compat", "delta")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +156,7 @@ class SourceInfo(_message.Message):
     LEASE_FENCE_S_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     mesh: MeshPosition
     agent_name: str
@@ -161,7 +173,40 @@ class SourceInfo(_message.Message):
     lease_fence_s: float
     revision: str
     compat: CompileCompat
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: bool = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: bool = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ..., revision: _Optional[str] = ..., compat: _Optional[_Union[CompileCompat, _Mapping]] = ...) -> None: ...
+    delta: SourceDelta
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: bool = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: bool = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ..., revision: _Optional[str] = ..., compat: _Optional[_Union[CompileCompat, _Mapping]] = ..., delta: _Optional[_Union[SourceDelta, _Mapping]] = ...) -> None: ...
+
+class TensorDelta(_message.Message):
+    __slots__ = ("tensor", "form", "offset", "nbytes", "changed", "narrow")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    FORM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    NARROW_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    form: DeltaForm
+    offset: int
+    nbytes: int
+    changed: int
+    narrow: int
+    def __init__(self, tensor: _Optional[int] = ..., form: _Optional[_Union[DeltaForm, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., changed: _Optional[int] = ..., narrow: _Optional[int] = ...) -> None: ...
+
+class SourceDelta(_message.Message):
+    __slots__ = ("base_version", "base_digest", "addr", "nbytes", "tensors", "record_sums")
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SUMS_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    base_digest: str
+    addr: int
+    nbytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDelta]
+    record_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, base_version: _Optional[int] = ..., base_digest: _Optional[str] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorDelta, _Mapping]]] = ..., record_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockChecksums(_message.Message):
     __slots__ = ("block_bytes", "sums")

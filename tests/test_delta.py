@@ -1,0 +1,200 @@
+"""Delta refits (weight_sync.delta): the records (every form, every width), the catalog carrying a
+source's delta over real gRPC and refusing bad ones, and deltas mapped through the Megatron
+receive planner onto resharded targets, bit for bit equal to a full pull of the same version."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+import torch
+
+from mx_refit.catalog.client import CatalogClient
+from mx_refit.checksums import source_checksums
+from mx_refit.delta import checksums_digest
+from mx_refit.delta.records import apply_changes, decode, encode
+from mx_refit.errors import InvalidArgument
+from mx_refit.layout.planner import plan_receive
+from mx_refit.types import DeltaForm, SourceDelta, TargetLayout, TensorDelta
+from tests.layout import _planner_harness
+from tests.layout._planner_harness import ModelSpec, SourceLayout, publish
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK = 4096
+
+
+@pytest.fixture(autouse=True)
+def _reference_math(monkeypatch):
+    monkeypatch.setattr(_planner_harness, "_PM", False)  # reference math, not Bridge (slow import)
+
+
+def _nudge(t: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """A copy of ``t`` with about ``fraction`` of its elements moved by ~1% (an optimizer step
+    that crosses rounding steps), in the tensor's own dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    new = t.clone()
+    mask = torch.rand(t.shape, generator=gen) < fraction
+    moved = (t.float() + 1).to(t.dtype) if not t.dtype.is_floating_point else (t.float() * 1.01 + 1e-3).to(t.dtype)
+    new[mask] = moved[mask]
+    return new
+
+
+def _roundtrip(old: torch.Tensor, new: torch.Tensor, base: int = 4096) -> tuple[DeltaForm, int]:
+    rec = encode(old, new)
+    if rec is None:
+        return None, 0
+    arena = old.reshape(-1).view(torch.uint8).clone()
+    nbytes = arena.numel()
+    if rec.form is DeltaForm.WHOLE:
+        arena.copy_(new.reshape(-1).view(torch.uint8))
+    else:
+        positions, values = decode(rec.form, rec.data, nbytes, old.element_size(), rec.changed, rec.narrow)
+        apply_changes(arena, positions + base, values, [(base, 0, nbytes)])
+    assert torch.equal(arena, new.reshape(-1).view(torch.uint8))
+    return rec.form, rec.data.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int8])
+def test_records_reproduce_the_new_bytes_exactly_in_every_form(dtype):
+    old = (torch.randn(517, 33) * 3).to(dtype)
+    assert encode(old, old.clone()) is None  # nothing changed: no record
+    sparse = _nudge(old, 0.02, 1)
+    form, size = _roundtrip(old, sparse)
+    assert form is DeltaForm.SPARSE and size < 0.1 * old.numel() * old.element_size()
+    dense = torch.where(torch.rand(old.shape) < 0.95, (old.float() * -1.5 + 0.5).to(dtype), old)
+    assert _roundtrip(old, dense)[0] is DeltaForm.WHOLE
+    clustered = old.clone()
+    clustered[100:140] = (old[100:140].float() * -2 + 1).to(dtype)  # whole rows rewritten
+    assert _roundtrip(old, clustered)[0] is DeltaForm.BLOCKS
+
+
+def test_a_change_on_the_last_partial_block_and_the_first_element():
+    old = torch.randn(1000).to(torch.bfloat16)  # 2000 bytes: the last 256-byte block is partial
+    new = old.clone()
+    new[0] = 7.0
+    new[-100:] = -new[-100:]
+    assert _roundtrip(old, new)[0] in (DeltaForm.SPARSE, DeltaForm.BLOCKS)
+    sign = old.clone()
+    sign[::300] = -sign[::300]  # the sign lives in the second byte: a wide entry
+    rec = encode(old, sign)
+    assert rec.form is DeltaForm.SPARSE and rec.narrow == 0 and rec.changed == 4
+    _roundtrip(old, sign)
+
+
+def _delta_for(source, old_views, new_views, base_version, base_checksums):
+    """A SourceDelta of ``new_views`` against ``old_views``, its records laid out at the end of
+    the source's memory (as a publisher's record buffer)."""
+    entries, parts, offset = [], [], 0
+    for index, (old, new) in enumerate(zip(old_views, new_views)):
+        rec = encode(old, new)
+        if rec is None:
+            continue
+        size = rec.data.numel()
+        entries.append(TensorDelta(index, rec.form, offset if size else 0, size, rec.changed, rec.narrow))
+        parts.append(rec.data)
+        offset += size
+    records = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return entries, records
+
+
+def test_the_catalog_carries_a_delta_over_grpc_and_refuses_bad_ones(mx_catalog, mx_model_name):
+    published = publish(ModelSpec("grpc", layers=1), SourceLayout(tp=1))
+    source = published.version.sources[0]
+    base, blob = published.memory[source.source_id]
+    views = [blob[d.addr - base : d.addr - base + d.nbytes] for d in source.tensors]
+    memory = (base, blob.numel())
+    region = (base + blob.numel() + 4096, 1 << 16)  # the record buffer
+    delta = SourceDelta(
+        base_version=1, base_digest=checksums_digest(source_checksums(views, BLOCK)), addr=region[0], nbytes=100,
+        tensors=(TensorDelta(0, DeltaForm.WHOLE, 0, 0, 1), ), record_sums=(5,),
+    )
+    good = dataclasses.replace(
+        source, checksums=source_checksums(views, BLOCK), regions=(memory, region), delta=delta,
+    )
+    client = CatalogClient(mx_catalog)
+    try:
+        bad = {
+            "source.delta: a delta needs source.checksums": dataclasses.replace(good, checksums=None),
+            r"source.delta.tensors\[0\].tensor: 99": dataclasses.replace(
+                good, delta=dataclasses.replace(delta, tensors=(TensorDelta(99, DeltaForm.WHOLE, 0, 0, 1),))),
+            r"source.delta.tensors\[0\]: a sparse record of 3 bytes": dataclasses.replace(
+                good, delta=dataclasses.replace(delta, tensors=(TensorDelta(0, DeltaForm.SPARSE, 0, 3, 1, 1),))),
+            "source.delta.record_sums: 0 values": dataclasses.replace(
+                good, delta=dataclasses.replace(delta, record_sums=())),
+            "source.delta: records .* lie outside every region": dataclasses.replace(good, regions=(memory,)),
+        }
+        for message, wrong in bad.items():
+            with pytest.raises(InvalidArgument, match=message):
+                client.register_source(mx_model_name, 2, 1, wrong)
+        client.register_source(mx_model_name, 2, 1, good)
+        got = client.get_version(mx_model_name, 2).sources[0]
+        assert got.delta == delta
+    finally:
+        client.close()
+
+
+CASES = [  # (spec, source TP, target): dense and MoE, resharded, sliced and whole
+    (ModelSpec("dense", layers=2, hidden=256, heads=4, groups=2, head_dim=64, ffn=512, vocab=500), 2,
+     TargetLayout(tp_rank=1, tp_size=4, full_tensors=False)),
+    (ModelSpec("dense", layers=2, hidden=256, heads=4, groups=2, head_dim=64, ffn=512, vocab=500), 1,
+     TargetLayout(tp_rank=1, tp_size=2, full_tensors=False)),
+    (ModelSpec("dense", layers=1, hidden=128, heads=4, groups=2, head_dim=32, ffn=256, vocab=300), 2,
+     TargetLayout(full_tensors=True)),
+    (ModelSpec("moe", layers=2, hidden=128, heads=4, groups=2, head_dim=32, experts=8, moe_ffn=64, vocab=300), 1,
+     TargetLayout(tp_rank=0, tp_size=2, full_tensors=False)),
+]
+
+
+@pytest.mark.parametrize(("spec", "tp", "target"), CASES, ids=["tp2-to-tp4r1", "tp1-to-tp2r1", "tp2-whole", "moe-tp1-to-tp2"])
+def test_a_delta_through_the_layout_engine_equals_a_full_pull(spec, tp, target):
+    published = publish(spec, SourceLayout(tp=tp))
+    version = published.version
+    plan = plan_receive(version, target)
+    requests = defaultdict(list)
+    for op in plan.reads:
+        requests[op.source_id].append((op.remote_addr, op.local_offset, op.nbytes))
+
+    def pull(memory):
+        arena = torch.full((plan.arena_bytes,), 0xA5, dtype=torch.uint8)
+        for sid, ops in requests.items():
+            base, blob = memory[sid]
+            for remote, local, n in ops:
+                arena[local : local + n] = blob[remote - base : remote - base + n]
+        return arena
+
+    held = pull(published.memory)  # the receiver holds version 1
+    new_memory, untouched, read_tensors = {}, 0, 0
+    for source in version.sources:
+        base, blob = published.memory[source.source_id]
+        new_blob = blob.clone()
+        for i, d in enumerate(source.tensors):
+            view = new_blob[d.addr - base : d.addr - base + d.nbytes]
+            if "experts" in d.name and i % 3:  # experts the router never picked: no gradient
+                untouched += 1
+                continue
+            typed = view.view(getattr(torch, d.dtype))
+            typed.copy_(_nudge(typed, 0.02 if i % 5 else 0.9, seed=i))  # some tensors dense
+        new_memory[source.source_id] = (base, new_blob)
+        old_views = [blob[d.addr - base : d.addr - base + d.nbytes].view(getattr(torch, d.dtype)) for d in source.tensors]
+        new_views = [new_blob[d.addr - base : d.addr - base + d.nbytes].view(getattr(torch, d.dtype)) for d in source.tensors]
+        entries, records = _delta_for(source, old_views, new_views, 1, None)
+        for entry in entries:  # the receiver's side: what its reads hold of each changed tensor
+            d = source.tensors[entry.tensor]
+            mine = [r for r in requests.get(source.source_id, ()) if r[0] < d.addr + d.nbytes and d.addr < r[0] + r[2]]
+            if entry.form is DeltaForm.WHOLE:
+                for remote, local, n in mine:
+                    lo, hi = max(remote, d.addr), min(remote + n, d.addr + d.nbytes)
+                    held[local + lo - remote : local + hi - remote] = new_blob[lo - base : hi - base]
+                    read_tensors += 1
+                continue
+            data = records[entry.offset : entry.offset + entry.nbytes]
+            positions, values = decode(entry.form, data, d.nbytes, new_views[entry.tensor].element_size(),
+                                       entry.changed, entry.narrow)
+            apply_changes(held, positions + d.addr, values, mine)
+        assert len(entries) < len(source.tensors) or not untouched
+    assert torch.equal(held, pull(new_memory))  # bit for bit what a full pull of version 2 holds
+    assert read_tensors > 0
+    if spec.experts:
+        assert untouched > 0
