@@ -464,7 +464,6 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
     regions = _validate_regions(source.regions, clean, limits)
     cuda_ipc = validate_cuda_ipc(source.cuda_ipc, regions, clean)
     checksums = validate_checksums(source.checksums, clean)
-    delta = validate_delta(source.delta, clean, regions, checksums)
     return SourceInfo(
         source_id=source_id,
         mesh=mesh,
@@ -476,7 +475,7 @@ def validate_source(source: object, limits: CatalogLimits) -> SourceInfo:
         incarnation=_check_incarnation(source.incarnation),
         cuda_ipc=cuda_ipc,
         checksums=checksums,
-        delta=delta,
+        delta=validate_delta(source.delta, clean, regions, checksums),
         lease_fence_s=check_seconds(
             source.lease_fence_s, "source.lease_fence_s", maximum=limits.max_ttl_s, allow_zero=True
         ),
