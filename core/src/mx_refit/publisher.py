@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit._backoff import Backoff
 from mx_refit._heartbeat import Heartbeat
+from mx_refit.catalog.epoch import answer_epoch
 from mx_refit.checks import AUTO, check_count, check_flag, check_seconds
 from mx_refit.config import DEFAULT_CHECKSUM_BLOCK_BYTES, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LEASE_TTL_S, DEFAULT_SOURCE_TTL_S
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -162,6 +163,7 @@ class Publisher:
         check_seconds(ttl_s, "ttl_s")
         self.lease_fence_s = check_seconds(lease_fence_s, "lease_fence_s", allow_zero=True)
         self._fenced_until = 0.0  # monotonic: no mutation before (the catalog lost our leases)
+        self._epoch = ""  # the catalog epoch of the answers relied on so far (mx_refit.catalog.epoch)
         self.expected_sources = expected_sources
         # Stable per mesh position, so a restarted rank replaces its own entry.
         self.source_id = source_id or mesh_source_id(model, self.mesh)
@@ -238,6 +240,9 @@ class Publisher:
             self.client.heartbeat(
                 source_ids=[self.source_id], incarnations={self.source_id: self.incarnation}
             )
+            if self._epoch_changed():  # it kept our registration but may have lost later writes
+                self._catalog_lost()
+                self._reregister()
         except NotFound:
             # The catalog lost this source (it restarted, or our TTL lapsed): register every
             # version whose buffers are still intact again, so readers resume.
@@ -336,6 +341,8 @@ class Publisher:
             expected_readers=self.expected_readers,
         )
         state = self.client.mark_ready(model=self.model, version=version, source_id=self.source_id)
+        if self._epoch_changed():  # the catalog lost state since our last answer
+            self._catalog_lost()
         self._last_published = version
         with self._live_lock:
             # Older versions published from the same buffers were overwritten by this one.
@@ -446,7 +453,19 @@ class Publisher:
             return True
         except FailedPrecondition:
             return False  # a restarted rank took this source over: the catalog kept its state
-        return False
+        return self._epoch_changed()  # a rollback may keep us and lose the version
+
+    def _epoch_changed(self) -> bool:
+        """Whether this thread's last answer came from another catalog epoch than the answers
+        relied on before (its state may have rolled back: leases and registrations lost)."""
+        epoch = answer_epoch(self.client)
+        if not epoch:
+            return False  # a catalog that does not say
+        changed, self._epoch = bool(self._epoch) and epoch != self._epoch, epoch
+        if changed:
+            log.warning("%s: the catalog's epoch changed to %s: its state may have rolled back (a store "
+                        "restart or failover); registering again and holding the lease fence", self.source_id, epoch)
+        return changed
 
     def _catalog_lost(self) -> None:
         """The catalog no longer knows this source, so it lost any lease on our versions; a
@@ -462,6 +481,8 @@ class Publisher:
             return
         try:
             self.client.heartbeat(source_ids=[self.source_id], incarnations={self.source_id: self.incarnation})
+            if self._epoch_changed():  # a rollback that kept our registration: same as a loss
+                self._catalog_lost()
         except (NotFound, Unavailable):  # lost us, or cannot tell: assume it lost our leases
             self._catalog_lost()
         except FailedPrecondition:

@@ -128,6 +128,7 @@ class VersionRecord:
     # ones (no new leases may name them; forgotten once no lease reads them).
     replicas: dict[str, SourceInfo] = field(default_factory=dict)
     withdrawn: set[str] = field(default_factory=set)
+    epoch: str = ""  # the store epoch the version was created in (see CatalogCore._drain_fence_locked)
 
     def offered_replicas(self) -> tuple[SourceInfo, ...]:
         return tuple(

@@ -121,7 +121,7 @@ class ReplicaCatalog:
         def _txn_now(self) -> Txn: ...
         def _generation(self) -> int: ...
         def _record_locked(self, model: object, version: object) -> VersionRecord: ...
-        def _wait_until_unread(self, check: Callable[[float], tuple[bool, float, int]], deadline: float) -> bool: ...
+        def _wait_until_unread(self, check: Callable[[float], tuple[bool, float, object]], deadline: float) -> bool: ...
         store: CatalogStore
 
     def register_replica(
@@ -186,7 +186,7 @@ class ReplicaCatalog:
         timeout = check_seconds(timeout_s, "timeout_s", maximum=self.limits.max_wait_s, allow_zero=True)
         deadline = time.monotonic() + timeout
 
-        def check(now: float) -> tuple[bool, float, int]:
+        def check(now: float) -> tuple[bool, float, object]:
             try:
                 rec = self._record_locked(model, version)
             except LookupError:

@@ -5,6 +5,7 @@ that call sees."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -48,6 +49,19 @@ class CatalogCore:
         # store's ``run``, which serialises the calls of this process).
         self.store: CatalogStore = store if store is not None else MemoryStore(clock)
         self._t: Txn | None = None
+        self._answers = threading.local()  # per calling thread: the epoch of its last answer
+
+    def answer_epoch(self) -> str:
+        """The store epoch of this thread's last call (see :attr:`Txn.epoch`): a caller that
+        relies on an answer compares it with the epoch of the answers it relied on before."""
+        return str(getattr(self._answers, "epoch", ""))
+
+    def _enter(self, txn: Txn) -> None:
+        """Start a store call: note a new store epoch (when it was first seen) in the state."""
+        self._t = txn
+        self._answers.epoch = txn.epoch
+        if txn.state.epoch != txn.epoch:
+            txn.state.epoch, txn.state.epoch_began = txn.epoch, txn.now
 
     @property
     def _st(self) -> CatalogState:
@@ -58,7 +72,7 @@ class CatalogCore:
         """Run ``body(now)`` as one atomic store call, after applying lapsed TTLs."""
 
         def run(txn: Txn) -> T:
-            self._t = txn
+            self._enter(txn)
             try:
                 return body(self._reap_locked(txn.now))
             finally:
@@ -66,7 +80,7 @@ class CatalogCore:
 
         return self.store.run(run)
 
-    def _wait_until_unread(self, check: Callable[[float], tuple[bool, float, int]], deadline: float) -> bool:
+    def _wait_until_unread(self, check: Callable[[float], tuple[bool, float, object]], deadline: float) -> bool:
         """Run ``check(now)`` (one store call: no reader left?, seconds until the next lease
         expiry, the store's generation) until it says so (True) or ``deadline`` (monotonic)
         passes (False). In between, sleep until the store changes (a release, the reaper, in
@@ -86,7 +100,7 @@ class CatalogCore:
         assert self._t is not None, "catalog state touched outside a store call"
         return self._t
 
-    def _generation(self) -> int:
+    def _generation(self) -> object:
         return self._txn_now().generation
 
     def _ready_record_locked(self, model: str, version: int | None, min_version: int) -> VersionRecord:
@@ -139,6 +153,17 @@ class CatalogCore:
         rec.leases[lease.lease_id] = lease
         self._st.deadlines.set(lease, lease.expires_at, new=True)
         return lease.lease_id
+
+    def _drain_fence_locked(self, rec: VersionRecord, registered_epoch: str) -> float:
+        """Store time before which ``rec`` must not count as drained: leases on it may have been
+        lost with an earlier store epoch (it was created, or the caller registered it, before
+        the current one), and a reader may trust such a lease until its deadline, within the
+        smallest ``lease_fence_s`` its sources promised. 0.0: no fence."""
+        epoch = self._st.epoch
+        if rec.epoch == epoch and registered_epoch in ("", epoch):
+            return 0.0
+        fence = min((s.lease_fence_s for s in rec.sources.values()), default=0.0)
+        return self._st.epoch_began + fence if fence > 0 else 0.0
 
     def _versions_locked(self, model: object) -> dict[int, VersionRecord]:
         model = check_name(model, "model")

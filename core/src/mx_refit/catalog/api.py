@@ -152,8 +152,9 @@ class Catalog(Protocol):
         """Stop offering a version; return its state (DRAINING or RETIRED)."""
         ...
 
-    def wait_drained(self, model: str, version: int, timeout_s: float) -> bool:
-        """Wait until a retired version has no live lease; False on timeout."""
+    def wait_drained(self, model: str, version: int, timeout_s: float, registered_epoch: str = "") -> bool:
+        """Wait until a retired version has no live lease (and, when the catalog's epoch changed
+        since the version or ``registered_epoch``, its lease fence passed); False on timeout."""
         ...
 
     def wait_read(self, model: str, version: int, timeout_s: float) -> ReadProgress:

@@ -24,7 +24,6 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
 
 from mx_refit.catalog import convert
 from mx_refit.catalog.address import check_address
@@ -35,6 +34,7 @@ from mx_refit.catalog.api import (
     ReadProgress,
     VersionSummary,
 )
+from mx_refit.catalog.convert import request_message as _request
 from mx_refit.catalog.digests import (
     NOTHING_KNOWN,
     Known,
@@ -42,6 +42,7 @@ from mx_refit.catalog.digests import (
     ManifestStats,
     UnknownDigest,
 )
+from mx_refit.catalog.epoch import AnswerEpochs
 from mx_refit.catalog.express.client import ExpressRoute, Once
 from mx_refit.catalog.express.framing import EXPRESS_METHODS, ExpressStatus
 from mx_refit.catalog.status import RETRYABLE, error_for, unreachable
@@ -53,22 +54,6 @@ from mx_refit.errors import InvalidArgument, MxRefitError, Unavailable
 from mx_refit.types import SourceInfo, VersionInfo, VersionState
 
 __all__ = ["CatalogClient"]
-
-
-def _request(cls: type[Message], **fields: Any) -> Any:
-    """Build a request message; a field of the wrong type or out of its wire range (int32,
-    int64) is the caller's InvalidArgument naming the field and the value."""
-    try:
-        return cls(**fields)
-    except (TypeError, ValueError) as exc:
-        for name, value in fields.items():
-            try:
-                cls(**{name: value})
-            except (TypeError, ValueError) as field_exc:
-                raise InvalidArgument(
-                    f"{name}: {value!r} is not valid in {cls.__name__} ({field_exc})"
-                ) from None
-        raise InvalidArgument(f"{cls.__name__}: {exc}") from None
 
 
 # Longest slice of a wait_drained call on the wire; below the servicer's 30 s cap so a slice
@@ -88,7 +73,7 @@ CHANNEL_RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
-class CatalogClient:
+class CatalogClient(AnswerEpochs):
     """Typed catalog client.
 
     :param address: ``host:port`` of a :class:`~mx_refit.catalog.server.CatalogServer`.
@@ -141,6 +126,7 @@ class CatalogClient:
         # The catalog's express lane (mx_refit.catalog.express), once it offered one.
         self.express = bool(express)
         self._lane = ExpressRoute(address, self._token, enabled=self.express)
+        self._init_epochs()
 
     # --- pickling: configuration only ---------------------------------------------------
 
@@ -249,6 +235,7 @@ class CatalogClient:
             except ExpressStatus as status:
                 raise error_for(status.code, status.details, method) from None
             if reply is not None:
+                self._note_answer(reply)
                 return reply
             while_waiting = once
         if while_waiting is not None:
@@ -285,6 +272,7 @@ class CatalogClient:
             self._reached = True
             if self._watching is not None:
                 self._stop_watching()
+            self._note_answer(reply)
             return reply
         assert last is not None
         if not self._reached:
@@ -319,6 +307,7 @@ class CatalogClient:
         )
         convert.source_to_proto(source, request.source)
         reply = self._call("RegisterSource", request)
+        self._note_registration(model, version)
         return convert.state_from_proto(reply.state)
 
     def mark_ready(self, model: str, version: int, source_id: str) -> VersionState:
@@ -356,11 +345,13 @@ class CatalogClient:
         request = _request(pb.RetireVersionRequest, model=model, version=version)
         return convert.state_from_proto(self._call("RetireVersion", request).state)
 
-    def wait_drained(self, model: str, version: int, timeout_s: float) -> bool:
+    def wait_drained(self, model: str, version: int, timeout_s: float, registered_epoch: str = "") -> bool:
         """See :meth:`CatalogService.wait_drained`.
 
         Long waits go over the wire in slices of at most 20 s, so a catalog restart or a lost
-        connection costs one retry, not the whole wait.
+        connection costs one retry, not the whole wait. Each slice names ``registered_epoch`` or
+        else the epoch in which this client first registered the version, so the catalog holds the lease fence when it lost
+        state since (see :mod:`mx_refit.catalog.epoch`).
         """
         if (
             isinstance(timeout_s, bool)
@@ -375,7 +366,8 @@ class CatalogClient:
         deadline = time.monotonic() + timeout_s
         while True:
             wait = min(max(deadline - time.monotonic(), 0.0), _WAIT_SLICE_S)
-            request = _request(pb.WaitDrainedRequest, model=model, version=version, timeout_s=wait)
+            request = _request(pb.WaitDrainedRequest, model=model, version=version, timeout_s=wait,
+                               registered_epoch=registered_epoch or self.registered_epoch(model, version))
             reply = self._call("WaitDrained", request, timeout_s=wait + self.timeout_s)
             if reply.drained:
                 return True

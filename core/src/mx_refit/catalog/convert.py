@@ -20,6 +20,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from google.protobuf.message import Message
+
 from mx_refit.catalog._records import Manifest
 from mx_refit.catalog.api import VersionSummary
 from mx_refit.catalog.digests import NOTHING_KNOWN, Known, UnknownDigest
@@ -48,6 +50,7 @@ from mx_refit.types import (
 
 __all__ = [
     "delta_from_proto",
+    "request_message",
     "descriptor_from_proto",
     "descriptor_to_proto",
     "json_from_text",
@@ -524,3 +527,19 @@ def summary_from_proto(msg: pb.VersionSummary) -> VersionSummary:
         expected_readers=msg.expected_readers,
         completed_reads=msg.completed_reads,
     )
+
+
+def request_message(cls: type[Message], **fields: Any) -> Any:
+    """Build a request message; a field of the wrong type or out of its wire range (int32,
+    int64) is the caller's InvalidArgument naming the field and the value."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as exc:
+        for name, value in fields.items():
+            try:
+                cls(**{name: value})
+            except (TypeError, ValueError) as field_exc:
+                raise InvalidArgument(
+                    f"{name}: {value!r} is not valid in {cls.__name__} ({field_exc})"
+                ) from None
+        raise InvalidArgument(f"{cls.__name__}: {exc}") from None

@@ -166,6 +166,7 @@ class CatalogService(ReplicaCatalog, CatalogCore):
             # PENDING, keeps the other ranks' registrations and takes the new one).
             self._expire_source_locked(predecessor, spare=rec)
         if is_new:
+            rec.epoch = self._st.epoch
             self._st.models.setdefault(reg.model, {})[reg.version] = rec
         sid, src = reg.source_id, reg.source
         rec.tensors, rec.sidecar = checked
@@ -279,31 +280,39 @@ class CatalogService(ReplicaCatalog, CatalogCore):
 
         return self._txn(body)
 
-    def wait_drained(self, model: str, version: int, timeout_s: float) -> bool:
+    def wait_drained(self, model: str, version: int, timeout_s: float, registered_epoch: str = "") -> bool:
         """Block until a retired (or expired) version has no live lease; False on timeout.
 
         A lease stops counting when it is released or its TTL lapses. On True the version is
         RETIRED (or stays EXPIRED) and its buffers may be mutated. ``timeout_s`` is real time,
         bounded by ``limits.max_wait_s``. Raises ``FailedPrecondition`` for a PENDING or READY
         version (retire it first: otherwise new leases could arrive while waiting).
+
+        The lease fence, for every caller: when the version was created (or, per
+        ``registered_epoch``, registered by the caller) in an earlier store epoch, the catalog
+        may have lost leases on it without a release (a restart, a Redis rollback), so True
+        comes only once the smallest ``lease_fence_s`` of its sources has passed since the
+        current epoch began: readers confirm a lease by its deadline only within that fence.
         """
         timeout = check_seconds(
             timeout_s, "timeout_s", maximum=self.limits.max_wait_s, allow_zero=True
         )
         deadline = time.monotonic() + timeout
 
-        def check(now: float) -> tuple[bool, float, int]:
+        def check(now: float) -> tuple[bool, float, object]:
             rec = self._record_locked(model, version)
             if rec.state in (VersionState.PENDING, VersionState.READY):
                 raise FailedPrecondition(
                     f"{rec.label} is {rec.state.value}; retire it before waiting for it to drain"
                 )
             holding = rec.trainer_leases()  # replica-only readers do not hold it up
-            if not holding:
-                return True, 0.0, 0
-            # Wake at the next lease expiry too (exact with a real clock).
-            next_expiry = min(lease.expires_at for lease in holding)
-            return False, max(next_expiry - now, 0.001), self._generation()
+            if holding:  # wake at the next lease expiry too (exact with a real clock)
+                next_expiry = min(lease.expires_at for lease in holding)
+                return False, max(next_expiry - now, 0.001), self._generation()
+            fenced = self._drain_fence_locked(rec, registered_epoch) - now
+            if fenced > 0:
+                return False, fenced, self._generation()
+            return True, 0.0, 0
 
         return self._wait_until_unread(check, deadline)
 
@@ -489,7 +498,7 @@ class CatalogService(ReplicaCatalog, CatalogCore):
         )
         deadline = time.monotonic() + timeout
 
-        def check(now: float) -> tuple[ReadProgress, int]:
+        def check(now: float) -> tuple[ReadProgress, object]:
             rec = self._record_locked(model, version)
             if rec.expected_readers == 0:
                 raise FailedPrecondition(
@@ -516,7 +525,7 @@ class CatalogService(ReplicaCatalog, CatalogCore):
         report: dict[str, list[Any]] = {"leases": [], "sources": [], "versions": []}
 
         def run(txn: Txn) -> None:
-            self._t = txn
+            self._enter(txn)
             try:
                 for values in report.values():
                     values.clear()  # a store may run this again on a fresher state

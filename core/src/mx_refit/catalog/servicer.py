@@ -74,6 +74,10 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
         self._max_wait_slice_s = max_wait_slice_s
         self._stopping = stopping if stopping is not None else threading.Event()
 
+    def _epoch(self) -> str:
+        """The store epoch of this thread's last service call: the answer's."""
+        return self.service.answer_epoch()
+
     @_rpc
     def RegisterSource(
         self, request: pb.RegisterSourceRequest, context: grpc.ServicerContext
@@ -89,14 +93,14 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             request.ttl_s,
             request.expected_readers,
         )
-        return pb.RegisterSourceReply(state=convert.state_to_proto(state))
+        return pb.RegisterSourceReply(state=convert.state_to_proto(state), catalog_epoch=self._epoch())
 
     @_rpc
     def MarkReady(
         self, request: pb.MarkReadyRequest, context: grpc.ServicerContext
     ) -> pb.MarkReadyReply:
         state = self.service.mark_ready(request.model, request.version, request.source_id)
-        return pb.MarkReadyReply(state=convert.state_to_proto(state))
+        return pb.MarkReadyReply(state=convert.state_to_proto(state), catalog_epoch=self._epoch())
 
     @_rpc
     def Heartbeat(
@@ -106,7 +110,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             list(request.source_ids), list(request.lease_ids), dict(request.source_incarnations),
             list(request.watch_source_ids),
         )
-        return pb.HeartbeatReply(gone_source_ids=sorted(gone))
+        return pb.HeartbeatReply(gone_source_ids=sorted(gone), catalog_epoch=self._epoch())
 
     @_rpc
     def GetVersion(
@@ -114,7 +118,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
     ) -> pb.GetVersionReply:
         version = request.version if request.HasField("version") else None
         manifest = self.service.get_manifest(request.model, version, request.min_version)
-        reply = pb.GetVersionReply()
+        reply = pb.GetVersionReply(catalog_epoch=self._epoch())
         convert.manifest_to_proto(
             manifest,
             request.known_layout_digests,
@@ -143,7 +147,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             list(request.sources),
             request.max_readers_per_source,
         )
-        return pb.AcquireLeaseReply(lease_id=lease_id)
+        return pb.AcquireLeaseReply(lease_id=lease_id, catalog_epoch=self._epoch())
 
     @_rpc
     def RegisterReplica(
@@ -184,7 +188,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             request.ttl_s,
             request.lease_id or None,
         )
-        reply = pb.LeaseVersionReply(lease_id=lease_id, express_port=self.express_port)
+        reply = pb.LeaseVersionReply(lease_id=lease_id, express_port=self.express_port, catalog_epoch=self._epoch())
         convert.manifest_to_proto(
             manifest, find.known_layout_digests, find.known_sidecar_digest, reply.version_info
         )
@@ -195,14 +199,14 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseReply:
         self.service.release_lease(request.lease_id, request.completed)
-        return pb.ReleaseLeaseReply()
+        return pb.ReleaseLeaseReply(catalog_epoch=self._epoch())
 
     @_rpc
     def RetireVersion(
         self, request: pb.RetireVersionRequest, context: grpc.ServicerContext
     ) -> pb.RetireVersionReply:
         state = self.service.retire_version(request.model, request.version)
-        return pb.RetireVersionReply(state=convert.state_to_proto(state))
+        return pb.RetireVersionReply(state=convert.state_to_proto(state), catalog_epoch=self._epoch())
 
     @_rpc
     def WaitDrained(
@@ -214,10 +218,10 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
         deadline = time.monotonic() + timeout
         while True:
             step = min(max(deadline - time.monotonic(), 0.0), _WAIT_STEP_S)
-            if self.service.wait_drained(request.model, request.version, step):
-                return pb.WaitDrainedReply(drained=True)
+            if self.service.wait_drained(request.model, request.version, step, request.registered_epoch):
+                return pb.WaitDrainedReply(drained=True, catalog_epoch=self._epoch())
             if time.monotonic() >= deadline or self._stopping.is_set() or not context.is_active():
-                return pb.WaitDrainedReply(drained=False)
+                return pb.WaitDrainedReply(drained=False, catalog_epoch=self._epoch())
 
     @_rpc
     def WaitRead(self, request: pb.WaitReadRequest, context: grpc.ServicerContext) -> pb.WaitReadReply:

@@ -29,7 +29,10 @@ before ``n + fence_s``; a lease acknowledged by the old catalog is held locally 
 ``d + ttl_s``. With ``ttl_s <= fence_s`` and the pull finished before the local bound, no
 source mutated a byte during the pull whatever the catalog did, so the refit loads at once and
 the release (it still ends the drain, and counts the completed read) goes out on the renewal
-thread. Otherwise the refit waits for the catalog's answer as before.
+thread. Otherwise the refit waits for the catalog's answer as before. A renewal answered from
+another catalog epoch than the acquisition (:mod:`mx_refit.catalog.epoch`: the catalog's state
+may have rolled back, e.g. Redis restarted from a snapshot) ends that shortcut for the lease:
+its release then waits for the catalog, which answers NotFound for a lease it lost.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from mx_refit.catalog.epoch import answer_epoch
 from mx_refit.errors import LeaseLost, MxRefitError, NotFound
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,6 +66,7 @@ class LeaseGuard:
     :param acquired_at: local monotonic time at which the acquiring call was sent.
     :param label: what the lease covers (``model 'm' version 3``), for messages.
     :param renewer: renews on this long-lived thread instead of one started for this lease.
+    :param epoch: the catalog epoch of the acquiring answer ("": unknown, never compared).
     """
 
     def __init__(
@@ -73,12 +78,15 @@ class LeaseGuard:
         acquired_at: float,
         label: str,
         renewer: "LeaseRenewer | None" = None,
+        epoch: str = "",
     ) -> None:
         self._catalog = catalog
         self.lease_id = lease_id
         self.ttl_s = ttl_s
         self.label = label
         self._held_until = acquired_at + ttl_s  # local lower bound of the catalog's deadline
+        self.epoch = epoch
+        self.epoch_changed = False  # a renewal came from another epoch: no deadline shortcut
         self._lost: str | None = None  # the catalog said the lease is gone (its message)
         self._renew_error: str | None = None  # last renewal that could not reach the catalog
         self._renew_error_since: float | None = None
@@ -150,6 +158,12 @@ class LeaseGuard:
         else:
             if gone:  # a catalog that predates watch_source_ids answers None or nothing
                 self._gone = self._gone | gone
+            epoch = answer_epoch(self._catalog)
+            if self.epoch and epoch and epoch != self.epoch and not self.epoch_changed:
+                self.epoch_changed = True
+                log.warning("lease %s on %s: the catalog's epoch changed (%s -> %s): its state may have "
+                            "rolled back; the release will be confirmed by the catalog", self.lease_id,
+                            self.label, self.epoch, epoch)
             self._held_until = max(self._held_until, sent + self.ttl_s)
             self._renew_error = self._renew_error_since = None
         finally:
@@ -198,6 +212,7 @@ class LeaseGuard:
         return (
             fence_s >= self.ttl_s
             and self._renew_error is None
+            and not self.epoch_changed
             and time.monotonic() < self._held_until - slack
         )
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 from mx_refit._backoff import Backoff
 from mx_refit.catalog.api import LeasingCatalog
+from mx_refit.catalog.epoch import answer_epoch
 from mx_refit.checks import TREE
 from mx_refit.errors import FailedPrecondition, NotFound, SourcesBusy, TransferError
 from mx_refit.receive.lease import LeaseGuard, LeaseRenewer
@@ -79,6 +80,7 @@ class LeaseOrder:
         return LeaseGuard(
             catalog, lease_id, self.options.lease_ttl_s, acquired_at=acquired_at,
             label=f"model {self.options.model!r} version {info.version}", renewer=self._renewer,
+            epoch=answer_epoch(catalog),  # called right after the acquiring answer, on its thread
         )
 
 

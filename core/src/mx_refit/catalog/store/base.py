@@ -43,6 +43,10 @@ class CatalogState:
     # Each live source id's last registered layout: a republished identical layout reuses its
     # descriptor tuple and digest instead of being hashed again (a per-process cache).
     layouts: dict[str, Layout] = field(default_factory=dict, metadata=TRANSIENT)
+    # The store epoch this state was last used in, and the store time that epoch was first seen
+    # (see :attr:`Txn.epoch`): versions older than the epoch may have lost leases.
+    epoch: str = ""
+    epoch_began: float = 0.0
     deadlines: Deadlines = field(default_factory=Deadlines, metadata=TRANSIENT)
 
     def __post_load__(self) -> None:
@@ -53,13 +57,20 @@ class CatalogState:
 
 @dataclass
 class Txn:
-    """One atomic call's view: the state, the store's time (seconds) and the store's
-    generation when the call began (for :meth:`CatalogStore.wait_for_change`)."""
+    """One atomic call's view: the state, the store's time (seconds), the store's generation
+    when the call began (an opaque token for :meth:`CatalogStore.wait_for_change`) and the
+    store's *epoch*.
+
+    The epoch names one unbroken life of the store's state: it changes whenever the state may
+    have lost committed writes (a memory store's process started; a Redis server restarted, failed
+    over to a replica or was flushed), and a rollback cannot bring an old one back (it holds a
+    random token). Leases granted in an earlier epoch may be gone without a release."""
 
     state: CatalogState
     now: float
-    generation: int
+    generation: object
     notified: bool = False
+    epoch: str = ""
 
     def notify(self) -> None:
         """Wake waiters once this call has committed."""
@@ -82,7 +93,7 @@ class CatalogStore(ABC):
         """
 
     @abstractmethod
-    def wait_for_change(self, generation: int, timeout_s: float) -> None:
+    def wait_for_change(self, generation: object, timeout_s: float) -> None:
         """Block up to ``timeout_s`` (real time) until a call that notified has committed after
         ``generation`` (spurious early returns are allowed: callers re-check)."""
 

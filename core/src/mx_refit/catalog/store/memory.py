@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -27,10 +28,11 @@ class MemoryStore(CatalogStore):
         self._cond = threading.Condition(threading.Lock())
         self._state = CatalogState()
         self._generation = 0
+        self.epoch = f"mem-{uuid.uuid4().hex[:16]}"  # this process's state: gone with it
 
     def run(self, body: Callable[[Txn], T]) -> T:
         with self._cond:
-            txn = Txn(self._state, self._clock(), self._generation)
+            txn = Txn(self._state, self._clock(), self._generation, epoch=self.epoch)
             try:
                 return body(txn)
             finally:
@@ -38,6 +40,6 @@ class MemoryStore(CatalogStore):
                     self._generation += 1
                     self._cond.notify_all()
 
-    def wait_for_change(self, generation: int, timeout_s: float) -> None:
+    def wait_for_change(self, generation: object, timeout_s: float) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._generation != generation, timeout_s)

@@ -7,12 +7,21 @@ Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
   incarnations, TTL deadlines, leases, counters (:mod:`~mx_refit.catalog.store.codec`).
 * ``NS blob:<hash>`` — the large immutable parts (a source's descriptors and agent metadata,
   the encoded sidecar), content-addressed: written once, deleted when no document refers to them.
-* ``NS gen`` — a counter bumped by every commit.
+* ``NS gen`` — ``LINEAGE:TOKEN``: a random lineage made when the key is first written (a flushed
+  Redis makes a new one), and a random token that every commit replaces.
 
-Each call is optimistic: ``WATCH gen``, load the document if ``gen`` moved since this process
-last saw it, run the call on the Python state, then ``MULTI`` (new blobs, document, ``INCR gen``,
-dropped blobs) ``EXEC``; a concurrent commit aborts the ``EXEC`` and the call runs again on the
-fresh state. A call that changed nothing writes nothing. TTLs use the Redis server's ``TIME``,
+Each call is optimistic: ``WATCH gen``, load the document if ``gen`` changed since this process
+last saw it, run the call on the Python state, then ``MULTI`` (new blobs, document, a new
+``gen`` token, dropped blobs) ``EXEC``; a concurrent commit aborts the ``EXEC`` and the call runs
+again on the fresh state. The cache check compares random tokens, not a counter: a Redis that
+rolled back (restarted from an older snapshot) and took other commits since cannot make an old
+``gen`` come back, so no process runs on a stale state and overwrites newer commits.
+
+The store's *epoch* (:attr:`~mx_refit.catalog.store.base.Txn.epoch`) is the Redis server's
+``run_id`` (new at every server start and on the replica a failover promotes; read on every new
+connection, so a transaction sees the run id of the very server it runs on) with the lineage:
+a restart from a snapshot, a failover that lost the replication tail, or a flush all start a new
+epoch. A call that changed nothing writes nothing. TTLs use the Redis server's ``TIME``,
 so every catalog process agrees on them; each runs the (idempotent) reaper. Waits poll ``gen``
 with a bounded backoff, so a release committed by any process wakes them within 50 ms.
 """
@@ -23,6 +32,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -70,7 +80,8 @@ class RedisStore(CatalogStore):
     ) -> None:
         self.url = url
         self._redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=10
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=10,
+            redis_connect_func=_learn_run_id,
         )
         self._clock = clock
         self._gen_key = f"{namespace}gen"
@@ -78,7 +89,7 @@ class RedisStore(CatalogStore):
         self._codec = StateCodec(blob_prefix=f"{namespace}blob:")
         self._cond = threading.Condition(threading.Lock())  # serialises this process's calls
         self._state: CatalogState | None = None  # as of ``_generation``; None: load it
-        self._generation = -1
+        self._generation = ""  # the ``gen`` value the cached state was loaded or committed at
         self._document = ""
         self._blob_keys: set[str] = set()  # blobs the document at ``_generation`` refers to
 
@@ -117,7 +128,14 @@ class RedisStore(CatalogStore):
     def _attempt(self, body: Callable[[Txn], T]) -> T:
         with self._redis.pipeline() as pipe:
             pipe.watch(self._gen_key)  # from here until MULTI, commands run at once
-            generation = int(pipe.get(self._gen_key) or 0)
+            raw = pipe.get(self._gen_key)
+            if raw is None:  # a new (or flushed) store: start a lineage, then run on it
+                pipe.unwatch()
+                self._redis.set(self._gen_key, f"{uuid.uuid4().hex[:16]}:{uuid.uuid4().hex}", nx=True)
+                raise WatchError("the store's lineage was just created")
+            generation = raw.decode() if isinstance(raw, bytes) else str(raw)
+            lineage = generation.partition(":")[0]
+            epoch = f"{_run_id(pipe)}.{lineage}"
             if self._clock is not None:
                 now = self._clock()
             else:
@@ -126,26 +144,27 @@ class RedisStore(CatalogStore):
             if self._state is None or generation != self._generation:
                 self._load(pipe, generation)
             assert self._state is not None
-            txn = Txn(self._state, now, generation)
+            txn = Txn(self._state, now, generation, epoch=epoch)
             result = body(txn)
             document, blobs = self._codec.encode(self._state)
             if document == self._document:
                 return result  # nothing changed: nothing to write (UNWATCH on leaving)
             keys = set(blobs)
+            committed = f"{lineage}:{uuid.uuid4().hex}"
             pipe.multi()
             for key in keys - self._blob_keys:
                 pipe.set(key, blobs[key])
             pipe.set(self._doc_key, document)
-            pipe.incr(self._gen_key)
+            pipe.set(self._gen_key, committed)
             stale = self._blob_keys - keys
             if stale:
                 pipe.delete(*stale)
             pipe.execute()
-        self._generation, self._document, self._blob_keys = generation + 1, document, keys
+        self._generation, self._document, self._blob_keys = committed, document, keys
         self._cond.notify_all()
         return result
 
-    def _load(self, pipe: Any, generation: int) -> None:
+    def _load(self, pipe: Any, generation: str) -> None:
         raw = pipe.get(self._doc_key)
         if raw is None:
             self._state, self._document, self._blob_keys = _fresh_state(), "", set()
@@ -163,18 +182,39 @@ class RedisStore(CatalogStore):
             self._state, self._document, self._blob_keys = state, document, set(keys)
         self._generation = generation
 
-    def wait_for_change(self, generation: int, timeout_s: float) -> None:
+    def wait_for_change(self, generation: object, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         step = 0.002
         while True:
             with self._cond:  # commits of this process wake it at once
                 remaining = deadline - time.monotonic()
-                if self._generation > generation or remaining <= 0:
+                if self._generation != generation or remaining <= 0:
                     return
                 self._cond.wait(min(step, remaining))
             try:
-                if int(self._redis.get(self._gen_key) or 0) != generation:
+                raw = self._redis.get(self._gen_key)
+                if raw is None or (raw.decode() if isinstance(raw, bytes) else raw) != generation:
                     return  # another process committed
             except RedisError as exc:
                 raise Unavailable(f"catalog store {self.url}: {exc}") from None
             step = min(step * 2, _POLL_MAX_S)
+
+
+def _learn_run_id(connection: Any) -> None:
+    """Connect callback: the usual handshake, then remember the server's ``run_id`` on the
+    connection (a reconnect runs this again, so it always names the server at the other end)."""
+    connection.on_connect()
+    connection.send_command("INFO", "server")
+    info = connection.read_response()
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    run_id = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
+    connection.mx_refit_run_id = run_id or uuid.uuid4().hex  # no run_id: assume a new server
+
+
+def _run_id(pipe: Any) -> str:
+    """The run id of the server ``pipe``'s connection talks to (first 16 hex digits)."""
+    run_id = getattr(pipe.connection, "mx_refit_run_id", None)
+    if run_id is None:  # connected without the callback (should not happen): ask now
+        run_id = str(pipe.info("server").get("run_id") or uuid.uuid4().hex)
+        pipe.connection.mx_refit_run_id = run_id
+    return str(run_id)[:16]

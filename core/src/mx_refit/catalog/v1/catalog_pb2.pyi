@@ -336,10 +336,12 @@ class RegisterSourceRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., expected_sources: _Optional[int] = ..., source: _Optional[_Union[SourceInfo, _Mapping]] = ..., sidecar_json: _Optional[str] = ..., ttl_s: _Optional[float] = ..., expected_readers: _Optional[int] = ...) -> None: ...
 
 class RegisterSourceReply(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "catalog_epoch")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     state: VersionState
-    def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, state: _Optional[_Union[VersionState, str]] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class MarkReadyRequest(_message.Message):
     __slots__ = ("model", "version", "source_id")
@@ -352,10 +354,12 @@ class MarkReadyRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., source_id: _Optional[str] = ...) -> None: ...
 
 class MarkReadyReply(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "catalog_epoch")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     state: VersionState
-    def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, state: _Optional[_Union[VersionState, str]] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("source_ids", "lease_ids", "source_incarnations", "watch_source_ids")
@@ -377,10 +381,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, source_ids: _Optional[_Iterable[str]] = ..., lease_ids: _Optional[_Iterable[str]] = ..., source_incarnations: _Optional[_Mapping[str, str]] = ..., watch_source_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("gone_source_ids",)
+    __slots__ = ("gone_source_ids", "catalog_epoch")
     GONE_SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     gone_source_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gone_source_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, gone_source_ids: _Optional[_Iterable[str]] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class GetVersionRequest(_message.Message):
     __slots__ = ("model", "version", "min_version", "known_layout_digests", "known_sidecar_digest")
@@ -404,10 +410,12 @@ class GetVersionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., min_version: _Optional[int] = ..., known_layout_digests: _Optional[_Mapping[str, str]] = ..., known_sidecar_digest: _Optional[str] = ...) -> None: ...
 
 class GetVersionReply(_message.Message):
-    __slots__ = ("version_info",)
+    __slots__ = ("version_info", "catalog_epoch")
     VERSION_INFO_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     version_info: VersionInfo
-    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ("model",)
@@ -440,10 +448,12 @@ class AcquireLeaseRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., reader_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., max_readers_per_source: _Optional[int] = ...) -> None: ...
 
 class AcquireLeaseReply(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "catalog_epoch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, lease_id: _Optional[str] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class LeaseVersionRequest(_message.Message):
     __slots__ = ("find", "reader_id", "ttl_s", "lease_id")
@@ -458,14 +468,16 @@ class LeaseVersionRequest(_message.Message):
     def __init__(self, find: _Optional[_Union[GetVersionRequest, _Mapping]] = ..., reader_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class LeaseVersionReply(_message.Message):
-    __slots__ = ("version_info", "lease_id", "express_port")
+    __slots__ = ("version_info", "lease_id", "express_port", "catalog_epoch")
     VERSION_INFO_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPRESS_PORT_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     version_info: VersionInfo
     lease_id: str
     express_port: int
-    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ..., lease_id: _Optional[str] = ..., express_port: _Optional[int] = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, version_info: _Optional[_Union[VersionInfo, _Mapping]] = ..., lease_id: _Optional[str] = ..., express_port: _Optional[int] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "completed")
@@ -476,8 +488,10 @@ class ReleaseLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., completed: bool = ...) -> None: ...
 
 class ReleaseLeaseReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("catalog_epoch",)
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    catalog_epoch: str
+    def __init__(self, catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class RetireVersionRequest(_message.Message):
     __slots__ = ("model", "version")
@@ -488,26 +502,32 @@ class RetireVersionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RetireVersionReply(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "catalog_epoch")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     state: VersionState
-    def __init__(self, state: _Optional[_Union[VersionState, str]] = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, state: _Optional[_Union[VersionState, str]] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class WaitDrainedRequest(_message.Message):
-    __slots__ = ("model", "version", "timeout_s")
+    __slots__ = ("model", "version", "timeout_s", "registered_epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     timeout_s: float
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    registered_epoch: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., registered_epoch: _Optional[str] = ...) -> None: ...
 
 class WaitDrainedReply(_message.Message):
-    __slots__ = ("drained",)
+    __slots__ = ("drained", "catalog_epoch")
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_EPOCH_FIELD_NUMBER: _ClassVar[int]
     drained: bool
-    def __init__(self, drained: bool = ...) -> None: ...
+    catalog_epoch: str
+    def __init__(self, drained: bool = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class WaitReadRequest(_message.Message):
     __slots__ = ("model", "version", "timeout_s")
