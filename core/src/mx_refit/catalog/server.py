@@ -31,7 +31,7 @@ from mx_refit.catalog.service import CatalogService
 from mx_refit.catalog.servicer import CatalogServicer
 from mx_refit.catalog.v1 import catalog_pb2_grpc
 from mx_refit.catalog.validation import check_token
-from mx_refit.errors import InvalidArgument
+from mx_refit.errors import InvalidArgument, Unavailable
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -278,6 +278,9 @@ class CatalogServer:
         while not self._stopping.wait(self._reap_interval_s):
             try:
                 report = self.service.reap()
+            except Unavailable as exc:  # the store is down: the next pass tries again
+                logger.warning("catalog reaper: %s", exc)
+                continue
             except Exception:  # keep reaping: one bad pass must not leave leases live forever
                 logger.exception("catalog reaper pass failed")
                 continue
@@ -308,6 +311,15 @@ def start_embedded(token: str | None = None, **kwargs: Any) -> CatalogServer:
     ``kwargs`` go to :class:`CatalogServer` (e.g. ``service=``). Stop it with ``.stop()``.
     """
     return CatalogServer(host="127.0.0.1", port=0, token=token, **kwargs).start()
+
+
+def _check_store(store: Any) -> None:
+    """Before anything binds: an unreachable store is a clean error, and a Redis whose settings
+    put the catalog at risk is named (warned; refused when it evicts keys)."""
+    for check in ("ping", "check_settings"):
+        call = getattr(store, check, None)
+        if call is not None:
+            call()
 
 
 def start_catalog(
@@ -394,9 +406,7 @@ def serve_forever(
     # gets a clean shutdown, not death by SIGTERM (CI saw exit -15 in that window).
     previous = _stop_on_signals(stop)
     try:
-        ping = getattr(state_store, "ping", None)
-        if ping is not None:
-            ping()  # an unreachable store is a clean error before anything binds
+        _check_store(state_store)
         server = CatalogServer(host, port, token, max_message_bytes,
                                service=CatalogService(store=state_store), express=express).start()
     except BaseException:

@@ -19,7 +19,8 @@ from mx_refit.errors import (
     Unavailable,
 )
 
-__all__ = ["MAX_DETAILS_BYTES", "RETRYABLE", "error_for", "fit_details", "status_for", "unreachable"]
+__all__ = ["MAX_DETAILS_BYTES", "RETRYABLE", "STORE_OUTAGE_PREFIX", "error_for", "fit_details", "is_store_outage",
+           "status_for", "unreachable"]
 
 # gRPC carries a status message in the grpc-message header, percent-encoded, and a client drops
 # a reply whose headers exceed 8 KiB (grpc.max_metadata_size) with a random other status: keep
@@ -32,11 +33,21 @@ _CODES: tuple[tuple[type[MxRefitError], grpc.StatusCode], ...] = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (SourcesBusy, grpc.StatusCode.ABORTED),
+    # The catalog's store is down or restarting: transient, so clients retry (never INTERNAL).
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
 )
 _ERRORS = {code: error for error, code in _CODES}
 
 # Transient transport failures the client retries (with backoff) before giving up.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# How the catalog's store words its outages (mx_refit.catalog.store.redis_store): a catalog that
+# answers UNAVAILABLE with it is up, its store is not, and clients retry until their timeout.
+STORE_OUTAGE_PREFIX = "catalog store "
+
+
+def is_store_outage(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a status says the catalog answered but its store is down (not that the catalog is)."""
+    return code is grpc.StatusCode.UNAVAILABLE and details.startswith(STORE_OUTAGE_PREFIX)
 
 
 def status_for(exc: MxRefitError) -> grpc.StatusCode:

@@ -8,7 +8,8 @@ Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
 * ``NS blob:<hash>`` — the large immutable parts (a source's descriptors and agent metadata,
   the encoded sidecar), content-addressed: written once, deleted when no document refers to them.
 * ``NS gen`` — ``LINEAGE:TOKEN``: a random lineage made when the key is first written (a flushed
-  Redis makes a new one), and a random token that every commit replaces.
+  Redis makes a new one, and so does a document that vanished after a commit), and a random
+  token that every commit replaces (``new`` before the first).
 
 Each call is optimistic: ``WATCH gen``, load the document if ``gen`` changed since this process
 last saw it, run the call on the Python state, then ``MULTI`` (new blobs, document, a new
@@ -42,7 +43,7 @@ from redis.exceptions import RedisError, WatchError
 from mx_refit.catalog._records import EndedLeases
 from mx_refit.catalog.store.base import CatalogState, CatalogStore, Txn
 from mx_refit.catalog.store.codec import StateCodec
-from mx_refit.errors import Unavailable
+from mx_refit.errors import InvalidArgument, Unavailable
 
 __all__ = ["DEFAULT_NAMESPACE", "RedisStore"]
 
@@ -55,6 +56,7 @@ DEFAULT_NAMESPACE = "mx-refit:catalog:"
 ENDED_LEASES_KEPT = 1024
 _MAX_ATTEMPTS = 200  # optimistic retries of one call under contention
 _POLL_MAX_S = 0.05
+_NEW = "new"  # the token of a lineage that has no document yet
 
 
 def _fresh_state() -> CatalogState:
@@ -103,6 +105,47 @@ class RedisStore(CatalogStore):
         except RedisError as exc:
             raise Unavailable(f"catalog store {self.url}: {exc}") from None
 
+    def check_settings(self) -> list[str]:
+        """Check the Redis settings the store relies on (at ``mx-refit serve``'s start); return
+        the warnings, each naming its setting, after logging them.
+
+        Refused (``InvalidArgument``): a ``maxmemory-policy`` that evicts keys without a TTL
+        (``allkeys-*``): the catalog's keys could vanish without the epoch changing. Warned:
+        settings under which a Redis restart or failover loses committed writes (no AOF, an AOF
+        not synced every second, no replica acknowledging writes). Those stay safe (a lost write
+        starts a new epoch: publishers register again, drains hold the lease fence) but cost a
+        fence per restart, and without persistence every version is published again.
+        """
+        try:
+            config = {k: str(v) for k, v in self._redis.config_get("*").items()}
+        except RedisError as exc:  # managed Redis services often refuse CONFIG
+            message = (f"catalog store {self.url}: could not read the Redis settings ({exc}); make sure "
+                       "maxmemory-policy is noeviction or volatile-*, and appendonly yes (RELIABILITY.md)")
+            logger.warning(message)
+            return [message]
+        policy = config.get("maxmemory-policy", "noeviction")
+        if policy.startswith("allkeys"):
+            raise InvalidArgument(
+                f"store: Redis at {self.url} has maxmemory-policy {policy}: it may evict the catalog's keys and "
+                "silently lose leases; set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction)"
+            )
+        warnings = []
+        if config.get("appendonly") != "yes":
+            kept = f"its last RDB snapshot (save {config.get('save')!r})" if config.get("save") else "nothing"
+            warnings.append(f"appendonly {config.get('appendonly')!r}: a Redis restart keeps {kept}, losing "
+                            "the catalog's later writes; set appendonly yes")
+        elif config.get("appendfsync") not in ("always", "everysec"):
+            warnings.append(f"appendfsync {config.get('appendfsync')!r}: a host crash loses unsynced writes; "
+                            "set appendfsync everysec (or always)")
+        replicas = int(self._redis.info("replication").get("connected_slaves", 0) or 0)
+        if replicas and int(config.get("min-replicas-to-write", "0") or 0) == 0:
+            warnings.append("min-replicas-to-write 0 with replicas: a failover loses writes no replica got; "
+                            "set min-replicas-to-write 1")
+        for warning in warnings:
+            logger.warning("catalog store %s: %s (each such loss starts a new catalog epoch: publishers "
+                           "register again and drains hold the lease fence)", self.url, warning)
+        return warnings
+
     def close(self) -> None:
         self._redis.close()
 
@@ -114,7 +157,10 @@ class RedisStore(CatalogStore):
                 except WatchError:  # another process committed first: run again on its state
                     self._state = None
                     time.sleep(random.uniform(0, min(0.001 * 2**attempt, 0.02)))
-                except RedisError as exc:
+                except Unavailable:
+                    self._state = None
+                    raise
+                except (RedisError, OSError) as exc:  # down, restarting, unreachable: clients retry
                     self._state = None
                     raise Unavailable(f"catalog store {self.url}: {exc}") from None
                 except BaseException:
@@ -131,7 +177,7 @@ class RedisStore(CatalogStore):
             raw = pipe.get(self._gen_key)
             if raw is None:  # a new (or flushed) store: start a lineage, then run on it
                 pipe.unwatch()
-                self._redis.set(self._gen_key, f"{uuid.uuid4().hex[:16]}:{uuid.uuid4().hex}", nx=True)
+                self._redis.set(self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}", nx=True)
                 raise WatchError("the store's lineage was just created")
             generation = raw.decode() if isinstance(raw, bytes) else str(raw)
             lineage = generation.partition(":")[0]
@@ -166,6 +212,14 @@ class RedisStore(CatalogStore):
 
     def _load(self, pipe: Any, generation: str) -> None:
         raw = pipe.get(self._doc_key)
+        if raw is None and not generation.endswith(f":{_NEW}"):
+            # Committed once, now gone (deleted, evicted): whatever it held was lost, so the
+            # state starts again under a new lineage, and with it a new epoch.
+            logger.warning("catalog store %s: the catalog document vanished; starting a new epoch", self.url)
+            pipe.multi()
+            pipe.set(self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}")
+            pipe.execute()
+            raise WatchError("the catalog's document vanished")
         if raw is None:
             self._state, self._document, self._blob_keys = _fresh_state(), "", set()
         else:
@@ -195,7 +249,7 @@ class RedisStore(CatalogStore):
                 raw = self._redis.get(self._gen_key)
                 if raw is None or (raw.decode() if isinstance(raw, bytes) else raw) != generation:
                     return  # another process committed
-            except RedisError as exc:
+            except (RedisError, OSError) as exc:
                 raise Unavailable(f"catalog store {self.url}: {exc}") from None
             step = min(step * 2, _POLL_MAX_S)
 
