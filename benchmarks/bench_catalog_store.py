@@ -11,7 +11,11 @@ One in-process ``CatalogService`` per store (the Redis one on a real ``redis-ser
 * ``drain``: ``retire_version`` + ``wait_drained`` of a version with no lease left;
 * ``restart load`` (Redis only): a new catalog process's first call, which loads the state.
 
+With ``--live-leases 0,1000,10000``: a lease renewal (one reader's heartbeat) and a lease +
+release, while that many other leases are live (on a small model; taken in one store call).
+
     python benchmarks/bench_catalog_store.py                  # 7,281 descriptors, 8 sources
+    python benchmarks/bench_catalog_store.py --live-leases 0,1000,10000
 """
 
 from __future__ import annotations
@@ -94,6 +98,50 @@ def measure(service: CatalogService, sources: list[SourceInfo], sidecar: dict[st
     return out
 
 
+def lease_scaling(service: CatalogService, counts: list[int], repeat: int) -> dict[str, dict[str, float]]:
+    """Per count of other live leases: a renewal's and a lease + release's median ms."""
+    service.register_source("leases", 1, 1, make_source(0, 4, 1), ttl_s=3600)
+    held = 0
+    out: dict[str, dict[str, float]] = {}
+    for count in sorted(counts):
+        def take(now: float, start: int = held, stop: int = count) -> None:
+            rec = service._record_locked("leases", 1)
+            for i in range(start, stop):
+                service._lease_locked(rec, f"bg{i}", 3600.0, f"bg{i}", now, (), 0)
+
+        service._txn(take)  # the background leases in one call: their set-up is not what is timed
+        held = count
+        mine = service.acquire_lease("leases", 1, "reader", ttl_s=3600)
+
+        def lease_and_release() -> None:
+            service.release_lease(service.acquire_lease("leases", 1, "r", ttl_s=60))
+
+        out[str(count)] = {"renewal": median_ms(lambda m=mine: service.heartbeat(lease_ids=[m]), repeat),
+                           "lease + release": median_ms(lease_and_release, repeat)}
+        service.release_lease(mine)
+    return out
+
+
+def leases_main(counts: list[int], repeat: int, out: Path | None) -> None:
+    results: dict[str, Any] = {"live_leases": counts, "python": platform.python_version()}
+    results["memory"] = lease_scaling(CatalogService(), counts, repeat)
+    with tempfile.TemporaryDirectory() as workdir:
+        redis = RedisServer(Path(workdir))
+        try:
+            store = RedisStore(redis.url, namespace="bench:")
+            results["redis"] = lease_scaling(CatalogService(store=store), counts, repeat)
+            store.close()
+        finally:
+            redis.stop()
+    print(f"{'live leases':>12}{'store':>8}{'renewal ms':>12}{'lease+release ms':>18}")
+    for count in counts:
+        for kind in ("memory", "redis"):
+            row = results[kind][str(count)]
+            print(f"{count:>12}{kind:>8}{row['renewal']:>12.2f}{row['lease + release']:>18.2f}")
+    if out:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--descriptors", type=int, default=7281)
@@ -101,7 +149,11 @@ def main() -> None:
     parser.add_argument("--sidecar-entries", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--live-leases", default="", help="e.g. 0,1000,10000: lease cost against live leases")
     args = parser.parse_args()
+    if args.live_leases:
+        leases_main([int(n) for n in args.live_leases.split(",")], args.repeat, args.out)
+        return
     per = args.descriptors // args.sources
     sources = [make_source(r, per, args.sources) for r in range(args.sources)]
     sidecar = {"arch": "moe", "hf_map": {f"decoder.layers.{i}.w": [f"model.layers.{i}.weight"]

@@ -514,3 +514,21 @@ def test_a_rejected_registration_does_not_expire_the_predecessor(service: Catalo
         service.register_source("m", 2, 2, replace(source("r0", tp_rank=1, tp_size=2), incarnation="B"))
     assert [s.state for s in service.list_versions("m")] == [READY, PENDING]
     service.heartbeat(source_ids=["r0"], incarnations={"r0": "A"})  # still the live incarnation
+
+
+def test_released_leases_pin_no_retired_version() -> None:
+    """A released lease stays in the deadline heap until its TTL; it must not keep its retired,
+    forgotten version (the whole manifest) alive until then."""
+    import gc
+    import weakref
+
+    service = CatalogService(history=1)
+    records = []
+    for version in (1, 2, 3):
+        publish_ready(service, "m", version)
+        records.append(weakref.ref(service.store.run(lambda txn, v=version: txn.state.models["m"][v])))
+        lease = service.acquire_lease("m", version, "r", ttl_s=3600)
+        service.release_lease(lease, completed=True)
+        assert service.retire_version("m", version) is VersionState.RETIRED
+    gc.collect()
+    assert [ref() is None for ref in records] == [True, True, False]  # versions 1, 2 forgotten

@@ -268,7 +268,7 @@ class CatalogCore:
         lease.dead = True
         del self._st.leases[lease.lease_id]
         self._st.ended_leases.add(lease, how, at)
-        rec = lease.record
+        rec, lease.record = lease.record, None  # its heap entry stays until its TTL: pin nothing
         if rec is not None:
             rec.leases.pop(lease.lease_id, None)
             self._settle_locked(rec)
