@@ -103,7 +103,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             raise RuntimeError("init_transfer_engine called during a weight update; finish it first")
         self.shutdown()
         self._coords = worker_coordinates(self.parallel_config)
-        self.layout = target_layout(self.parallel_config)
+        quant_config = getattr(getattr(self, "vllm_config", None), "quant_config", None)
+        self.layout = target_layout(self.parallel_config, quant_config)  # an FP8 engine asks for fp8_block
         self.init_info = init_info
         receiver = self._receiver(init_info.model)  # dials the catalog; later models share it
         try:

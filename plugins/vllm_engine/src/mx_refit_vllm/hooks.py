@@ -25,7 +25,9 @@ def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
     ):
         from mx_refit_vllm.layout import target_layout
 
-        return engine.layout or target_layout(engine.parallel_config)
+        return engine.layout or target_layout(
+            engine.parallel_config, getattr(getattr(engine, "vllm_config", None), "quant_config", None)
+        )
     if _is_vllm_model(engine):
         from types import SimpleNamespace
 
@@ -36,5 +38,7 @@ def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
         # Inside a worker the process groups say everything; the config (when one is current)
         # adds the expert-parallel settings.
         current = getattr(vllm_config_module, "get_current_vllm_config_or_none", lambda: None)()
-        return target_layout(current.parallel_config if current is not None else SimpleNamespace())
+        if current is None:
+            return target_layout(SimpleNamespace())
+        return target_layout(current.parallel_config, getattr(current, "quant_config", None))
     return None

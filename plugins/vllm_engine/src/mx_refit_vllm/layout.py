@@ -24,7 +24,7 @@ from mx_refit.types import TargetLayout
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["NameCheck", "check_names", "target_layout", "worker_coordinates"]
+__all__ = ["NameCheck", "check_names", "compile_form", "target_layout", "worker_coordinates"]
 
 
 # HF tensors that vLLM models drop on purpose (recomputed or unused at inference).
@@ -74,15 +74,38 @@ def worker_coordinates(parallel_config: Any) -> dict[str, int]:
     return coords
 
 
-def target_layout(parallel_config: Any) -> TargetLayout:
-    """The :class:`~mx_refit.types.TargetLayout` of this vLLM worker (full HF tensors)."""
+def compile_form(quant_config: Any) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The compile targets (and required metadata) an engine with ``quant_config`` loads as is.
+
+    A block-FP8 checkpoint engine (``Fp8Config`` with ``is_checkpoint_fp8_serialized`` and
+    ``weight_block_size`` [128, 128]) loads ``weight`` + ``weight_scale_inv`` with no requantisation:
+    it asks for ``fp8_block``. An FP8 engine of another form (per-tensor scales, other blocks) asks
+    for a form no publisher offers, so discovery refuses instead of casting BF16 bytes into FP8
+    parameters. Anything else (no quantisation, vLLM's online FP8 configs, which quantise BF16
+    themselves at load) keeps ``hf_raw``."""
+    if quant_config is None or type(quant_config).__name__ != "Fp8Config":
+        return ("hf_raw",), {}
+    if not getattr(quant_config, "is_checkpoint_fp8_serialized", False):
+        return ("hf_raw",), {}
+    block = list(getattr(quant_config, "weight_block_size", None) or [])
+    if len(block) == 2:
+        return ("fp8_block",), {"block_size": f"{block[0]},{block[1]}"}
+    return ("fp8_tensor",), {}
+
+
+def target_layout(parallel_config: Any, quant_config: Any = None) -> TargetLayout:
+    """The :class:`~mx_refit.types.TargetLayout` of this vLLM worker (full HF tensors, in the
+    compile form its quantisation loads, see :func:`compile_form`)."""
     c = worker_coordinates(parallel_config)
+    targets, required = compile_form(quant_config)
     return TargetLayout(
         tp_rank=c["tp_rank"],
         tp_size=c["tp_size"],
         ep_rank=c["ep_rank"],
         ep_size=c["ep_size"],
         full_tensors=True,
+        compile_targets=targets,
+        required_metadata=required,  # type: ignore[arg-type]  # a dict is kept sorted as pairs
     )
 
 
