@@ -16,6 +16,8 @@ from mx_refit.delta import checksums_digest
 from mx_refit.delta.records import apply_changes, decode, encode
 from mx_refit.errors import InvalidArgument
 from mx_refit.layout.planner import plan_receive
+from mx_refit.publisher import Publisher
+from mx_refit.receive.receiver import Receiver
 from mx_refit.types import DeltaForm, SourceDelta, TargetLayout, TensorDelta
 from tests.layout import _planner_harness
 from tests.layout._planner_harness import ModelSpec, SourceLayout, publish
@@ -36,7 +38,8 @@ def _nudge(t: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     new = t.clone()
     mask = torch.rand(t.shape, generator=gen) < fraction
-    moved = (t.float() + 1).to(t.dtype) if not t.dtype.is_floating_point else (t.float() * 1.01 + 1e-3).to(t.dtype)
+    step = 1.01 if t.element_size() > 1 else 1.25  # FP8 has 3 mantissa bits
+    moved = (t.float() + 1).to(t.dtype) if not t.dtype.is_floating_point else (t.float() * step + 1e-3).to(t.dtype)
     new[mask] = moved[mask]
     return new
 
@@ -58,6 +61,7 @@ def _roundtrip(old: torch.Tensor, new: torch.Tensor, base: int = 4096) -> tuple[
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int8])
 def test_records_reproduce_the_new_bytes_exactly_in_every_form(dtype):
+    torch.manual_seed(0)
     old = (torch.randn(517, 33) * 3).to(dtype)
     assert encode(old, old.clone()) is None  # nothing changed: no record
     sparse = _nudge(old, 0.02, 1)
@@ -198,3 +202,81 @@ def test_a_delta_through_the_layout_engine_equals_a_full_pull(spec, tp, target):
     assert read_tensors > 0
     if spec.experts:
         assert untouched > 0
+
+
+# --- end to end: a publisher and receivers over real NIXL and a real catalog ---------------------
+
+
+def _step(weights: dict, version: int) -> None:
+    """One optimizer step on the published buffers, in place: a sparse BF16 change, a dense
+    one, and an expert the router never picked (untouched)."""
+    weights["w"].copy_(_nudge(weights["w"], 0.02, seed=version))
+    weights["b"].copy_(weights["b"] * -1)
+    weights["e0"].copy_(_nudge(weights["e0"], 0.01, seed=100 + version))
+
+
+def _same(result, weights) -> None:
+    got = dict(result.tensors)
+    for name, want in weights.items():
+        assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
+
+
+def test_delta_refits_equal_full_pulls_and_anchor_every_n(mx_catalog, mx_model_name):
+    weights = {
+        "w": torch.randn(2048, 256).to(torch.bfloat16), "b": torch.randn(4096).to(torch.bfloat16),
+        "e0": torch.randn(512, 128).to(torch.bfloat16), "e1": torch.randn(512, 128).to(torch.bfloat16),
+    }
+    with Publisher(mx_catalog, mx_model_name, delta="auto", delta_anchor_every=4, checksum_block_bytes=BLOCK) as pub, \
+            Receiver(mx_catalog, mx_model_name, delta="auto") as rec, \
+            Receiver(mx_catalog, mx_model_name, checksums=True) as full:
+        pub.publish(1, model=weights)
+        first = rec.refit(1)
+        assert first.stats.kind == "full" and first.stats.delta_refused == "no verified version held"
+        _same(first, weights)
+        full_bytes = full.refit(1).stats.bytes_pulled
+        pub.wait_drained(1)
+        for version in range(2, 7):
+            _step(weights, version)
+            pub.publish(version, model=weights)
+            got, want = rec.refit(version), full.refit(version)
+            _same(got, weights)
+            _same(want, weights)
+            anchor = version == 5  # v1 whole, then 3 deltas, then an anchor
+            assert got.stats.kind == ("full" if anchor else "delta"), (version, got.stats.delta_refused)
+            if not anchor:
+                entries = rec.client.get_version(model=mx_model_name, version=version).sources[0].delta.tensors
+                assert [e.tensor for e in entries] == [0, 1, 2]  # e1 (index 3) untouched: no entry, no read
+                assert got.stats.bytes_pulled < 0.2 * full_bytes  # b whole (8 KiB + blocks) and records
+                assert got.stats.bytes_changed > 0
+            pub.wait_drained(version)
+
+
+def test_a_disturbed_arena_or_corrupt_records_fall_back_to_a_full_pull(mx_catalog, mx_model_name, caplog):
+    weights = {"w": torch.randn(4096, 64).to(torch.bfloat16), "b": torch.randn(64).to(torch.bfloat16),
+               "e0": torch.randn(64, 64).to(torch.bfloat16)}
+    with Publisher(mx_catalog, mx_model_name, delta="auto", checksum_block_bytes=BLOCK) as pub, \
+            Receiver(mx_catalog, mx_model_name, delta="auto") as rec:
+        pub.publish(1, model=weights)
+        rec.refit(1)
+        pub.wait_drained(1)
+        _step(weights, 2)
+        pub.publish(2, model=weights)
+        rec._cycle.arena[10] ^= 0xFF  # the arena no longer holds what was verified
+        got = rec.refit(2)
+        assert got.stats.kind == "full" and got.stats.delta_refused == "the arena changed since it was verified"
+        _same(got, weights)
+        pub.wait_drained(2)
+        _step(weights, 3)
+        pub.publish(3, model=weights)
+        pub._delta.records[3] ^= 0x01  # a bit flips in the publisher's record buffer
+        with caplog.at_level("WARNING"):
+            got = rec.refit(3)
+        assert got.stats.kind == "full" and "the delta failed verification" in got.stats.delta_refused
+        assert "pulling the version whole" in caplog.text
+        _same(got, weights)
+        pub.wait_drained(3)
+        _step(weights, 4)
+        pub.publish(4, model=weights)
+        got = rec.refit(4)
+        assert got.stats.kind == "delta"
+        _same(got, weights)

@@ -191,7 +191,7 @@ def _every_key_set(address: str) -> WeightSyncConfig:
         transfer_timeout_s=7.0, lease_ttl_s=9.0, source_ttl_s=6.0, drain_timeout_s=8.0, full_tensors=False,
         plugins=[], role_overrides=[RoleOverrideConfig(role="row", pattern="*.fc2.weight")],
         plugin_settings={"myplugin": {"knob": 1}}, transport="nixl", checksums=True, checksum_block_bytes=8192,
-        fanout="tree", max_readers_per_source=2, publish_format="fp8_block",
+        fanout="tree", max_readers_per_source=2, publish_format="fp8_block", delta="auto", delta_anchor_every=3,
     )
 
 
@@ -215,6 +215,8 @@ CONSUMED = {
     "fanout": "Receiver.fanout (offers its arena as a replica, reads replicas)",
     "max_readers_per_source": "Receiver.max_readers_per_source (sent with each lease)",
     "publish_format": "Publisher.publish_format (quantises linear weights; 'w' below is 1-D and stays as is)",
+    "delta": "Publisher (its DeltaTracker) and Receiver.delta",
+    "delta_anchor_every": "Publisher's DeltaTracker.anchor_every",
 }
 CATALOG_CONSUMED = {"mode", "address", "host", "port", "advertise_host", "token", "store"}
 
@@ -236,6 +238,7 @@ def test_every_config_key_is_consumed(mx_catalog, tmp_path):
         assert pub.publish_format == "fp8_block"
         assert rec.target == TargetLayout(full_tensors=False)
         assert (rec.fanout, rec.max_readers_per_source) == ("tree", 2)
+        assert rec.delta == "auto" and pub._delta is not None and pub._delta.anchor_every == 3
         assert seen.settings[-1] == as_dict(cfg) and seen.settings[-1]["plugin_settings"] == {"myplugin": {"knob": 1}}
         overrides = hooks.role_overrides()  # the plugin's rule, then the config's
         assert overrides.lookup("a.fc2.weight", "Linear").role is Role.ROW

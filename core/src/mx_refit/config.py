@@ -10,7 +10,8 @@ kept for that plugin in :attr:`WeightSyncConfig.plugin_settings`. Errors name th
 Where each key takes effect:
 
 - ``model_name``, ``source_ttl_s``, ``drain_timeout_s``, ``checksums``, ``checksum_block_bytes``,
-  ``publish_format``, ``plugins``, ``role_overrides``: ``Publisher.from_config``; ``model_name``,
+  ``publish_format``, ``delta``, ``delta_anchor_every``, ``plugins``, ``role_overrides``:
+  ``Publisher.from_config``; ``model_name``, ``delta``,
   ``transfer_timeout_s``, ``lease_ttl_s``, ``full_tensors``, ``checksums``, ``plugins``,
   ``role_overrides``, ``fanout``, ``max_readers_per_source``: ``Receiver.from_config``. Both call
   ``Hooks.configure(as_dict(cfg))``, so plugins see the whole block (their namespace included).
@@ -137,6 +138,8 @@ class WeightSyncConfig:
     checksums: bool = False  # end-to-end per-block checksums (see README, "End-to-end checksums")
     checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES  # block size of those checksums (publishers)
     publish_format: str = "bf16"  # bf16 | fp8_block: quantise linear weights on publish (README, "FP8 on publish")
+    delta: str = "off"  # off | auto: move only the bytes changed since the receiver's version (README, "Delta refits")
+    delta_anchor_every: int = 10  # publishers: every N-th version is published whole (an anchor)
     fanout: str = NO_FANOUT  # none | tree: receivers republish their arena as replicas (README, "Fan-out")
     max_readers_per_source: int = 0  # > 0: concurrent readers one source serves at most
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
@@ -174,6 +177,8 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
 
     check_mode(cfg.publish_format, "weight_sync.publish_format", PUBLISH_FORMATS)
     check_mode(cfg.fanout, "weight_sync.fanout", FANOUT_MODES)
+    check_mode(cfg.delta, "weight_sync.delta", ("off", "auto"))
+    check_count(cfg.delta_anchor_every, "weight_sync.delta_anchor_every", minimum=1, setting=True)
     check_count(cfg.max_readers_per_source, "weight_sync.max_readers_per_source", minimum=0, setting=True)
     roles = {r.value for r in Role}
     for i, rule in enumerate(cfg.role_overrides):

@@ -146,6 +146,8 @@ class Publisher:
         checksums: bool = False,
         checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES,
         publish_format: str = "bf16",
+        delta: str = "off",
+        delta_anchor_every: int = 10,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.checks import PUBLISH_FORMATS, check_mode
@@ -155,6 +157,12 @@ class Publisher:
         self.publish_format = check_mode(publish_format, "publish_format", PUBLISH_FORMATS)
         self._fp8: Any = None  # mx_refit.fp8.Fp8Publishing once publish_format is fp8_block
         self.checksums = check_flag(checksums, "checksums")
+        self._delta: Any = None  # mx_refit.delta.tracker.DeltaTracker with delta "auto"
+        if check_mode(delta, "delta", ("off", "auto")) == "auto":
+            from mx_refit.delta.tracker import DeltaTracker
+
+            self._delta = DeltaTracker(delta_anchor_every)
+            self.checksums = True  # readers prove the base they hold by its checksums
         self.checksum_block_bytes = check_block_bytes(checksum_block_bytes, "checksum_block_bytes")
         self.model = model
         self.mesh = mesh or MeshPosition()
@@ -227,6 +235,8 @@ class Publisher:
             "checksums": cfg.checksums,
             "checksum_block_bytes": cfg.checksum_block_bytes,
             "publish_format": cfg.publish_format,
+            "delta": cfg.delta,
+            "delta_anchor_every": cfg.delta_anchor_every,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -307,16 +317,19 @@ class Publisher:
             self._fp8.extend_sidecar(merged_sidecar)
             compat = self._fp8.compat()
         descriptors = tuple(describe(t) for t in tensors)
-        self.transport.register_many([t.tensor for t in tensors])
+        buffers = [t.tensor for t in tensors]
+        records = [self._delta.buffer_for(buffers)] if self._delta is not None else []  # a region of its own
+        self.transport.register_many(buffers + records)
         if not self._owns_transport:
-            self._published = [t.tensor for t in tensors]
-        regions = sorted({self.transport.region_of(t.tensor) for t in tensors if t.tensor.numel()})
+            self._published = buffers + records
+        regions = sorted({self.transport.region_of(t) for t in buffers + records if t.numel()})
         agent_name, metadata, cuda_ipc = self.transport.describe(regions)
         checksums = None
         if self.checksums:  # on the tensors' own devices; only the sums reach the host
             from mx_refit.checksums import source_checksums
 
             checksums = source_checksums([t.tensor for t in tensors], self.checksum_block_bytes)
+        delta = self._delta.publish(version, buffers, checksums) if self._delta is not None else None
         source = SourceInfo(
             source_id=self.source_id,
             mesh=self.mesh,
@@ -330,6 +343,7 @@ class Publisher:
             lease_fence_s=self.lease_fence_s,
             revision=_revision(checksums),
             compat=compat,
+            delta=delta,
         )
         self.client.register_source(
             model=self.model,

@@ -437,6 +437,9 @@ class RefitStats:
     transport: str = "nixl"  # the path the bytes took: "nixl", "cuda_ipc" or "mixed"
     handles_opened: int = 0  # CUDA IPC handles opened this cycle (0 once they are cached)
     blocks_verified: int = 0  # checksum blocks verified (weight_sync.checksums; 0 when off)
+    kind: str = "full"  # "delta": only the changes since the version held were pulled (weight_sync.delta)
+    bytes_changed: int = 0  # delta refits: bytes of this receiver's arena the delta changed
+    delta_refused: str = ""  # weight_sync.delta auto and a full refit: why not a delta
     # Wall seconds per step of the cycle (discover, plan, lease, heartbeat_start, pull, release,
     # materialize, load): where a whole refit spends what its pull does not. "lease" is ~0 when
     # the catalog found and leased the version in one call (counted in "discover").

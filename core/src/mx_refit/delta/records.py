@@ -118,9 +118,12 @@ def _decode_list(data: "torch.Tensor", chunks: int, count: int, width: int) -> "
     counts = data[:chunks].long()
     offsets = data[chunks : chunks + count].long()
     values = data[chunks + count : chunks + count + count * width].view(count, width)
-    chunk_of = torch.repeat_interleave(torch.arange(chunks, device=data.device), counts)
-    if chunk_of.numel() != count:
-        raise InvalidArgument(f"delta record: chunk counts sum to {chunk_of.numel()}, expected {count}")
+    ends = counts.cumsum(0)
+    if int(ends[-1]) != count:
+        raise InvalidArgument(f"delta record: chunk counts sum to {int(ends[-1])}, expected {count}")
+    # the chunk of entry j: the first chunk whose running count exceeds j (faster than
+    # repeat_interleave on CPU)
+    chunk_of = torch.searchsorted(ends, torch.arange(count, device=data.device), right=True)
     return chunk_of * CHUNK + offsets, values, chunks + count * (1 + width)
 
 
@@ -174,6 +177,10 @@ def apply_changes(
         return 0
     device = arena.device
     positions, values = positions.to(device), values.to(device)
+    if len(reads) == 1 and reads[0][0] <= int(positions.min()) and int(positions.max()) < reads[0][0] + reads[0][2]:
+        remote, local, _ = reads[0]  # the common case: the receiver holds the whole tensor, in one read
+        arena[positions + (local - remote)] = values
+        return positions.numel()
     written = 0
     for layer in _layers(sorted(reads)):  # reads within a layer do not overlap in the source
         starts = torch.tensor([r[0] for r in layer], dtype=torch.int64, device=device)

@@ -8,13 +8,15 @@ plans across refits, runs each phase as one method, and times the phases with on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.checks import batches
-from mx_refit.errors import TransferError
+from mx_refit.errors import ChecksumMismatch, TransferError
+from mx_refit.receive.delta import DeltaPull, DeltaState, apply, changed_only, check_records, plan_delta
 from mx_refit.receive.lease_order import lease_order
 from mx_refit.receive.plans import PlanCache, region_edges
 from mx_refit.types import RefitStats, TargetLayout, VersionInfo
@@ -98,6 +100,8 @@ class RefitCycle:
         self.replica = replica
         self.arena: "torch.Tensor | None" = None  # registered once, reused every cycle
         self._plans = PlanCache()
+        self._delta = DeltaState()
+        self.delta_refused = ""  # why the last refit was not a delta refit (delta "auto")
         self._order = lease_order(client, options, renewer, self.prime)
 
     def run(self, version: int | None, min_version: int, wait_s: float, notify: bool, attempt: list[int]) -> RefitResult:
@@ -116,11 +120,11 @@ class RefitCycle:
                 leased = self.lease(info, requests, lease)
             lease = leased.lease
             with watch("heartbeat_start"):  # the renewals run already: the arena's allocation
-                arena = self._arena_for(widening.arena_bytes if widening else plan.arena_bytes)
-            with watch("pull"):
-                pulled_by = self.pull(leased, arena)
-            with watch("verify"):
-                blocks = self.verify(leased, arena, widening)
+                delta = self._delta_plan(info, plan)
+                full_bytes = widening.arena_bytes if widening else plan.arena_bytes
+                arena = self._arena_for(max(full_bytes, delta.arena_bytes if delta else 0))
+            self._delta.held = None  # the arena changes from here on
+            pulled_by, blocks, delta = self._transfer(watch, leased, arena, widening, delta)
         except BaseException:
             if lease is not None:
                 lease.abandon()
@@ -132,9 +136,15 @@ class RefitCycle:
                 self.replica.offer(leased.info.version, requests, arena)
             tensors = list(plan.materialize(arena))
         with watch("load"):
-            self.load(tensors)
+            self.load(changed_only(tensors, arena, delta.touched) if delta else tensors)
+            if self.options.delta == "auto":  # verified bytes: the base of the next delta
+                self._delta.remember(leased.info, self._plans.key, arena, plan.arena_bytes)
         stats = self._stats(leased, plan, tensors, pulled_by, blocks, confirmed_by, watch.seconds,
                             self.transport.registrations - registrations_before)
+        if delta is not None:
+            stats = dataclasses.replace(stats, kind="delta", bytes_changed=delta.bytes_changed)
+        elif self.delta_refused:
+            stats = dataclasses.replace(stats, delta_refused=self.delta_refused)
         if notify:
             self.hooks.refit_done(stats)
         log.info(
@@ -194,6 +204,47 @@ class RefitCycle:
 
         return verify(arena, widening, {s.source_id: s for s in leased.info.sources})
 
+    def _delta_plan(self, info: VersionInfo, plan: "ReceivePlan") -> DeltaPull | None:
+        """The delta refit's reads when the arena provably holds the delta's base, else None
+        (``delta_refused`` says why; :mod:`mx_refit.receive.delta`)."""
+        self.delta_refused = ""
+        if self.options.delta != "auto":
+            return None
+        requests = self._plans.plan(info, self.target, self.hooks)[1]
+        if self.options.names_sources:
+            self.delta_refused = "fan-out and reader caps pull whole versions"
+        else:
+            self.delta_refused = self._delta.refusal(info, self._plans.key, requests, self.arena, plan.arena_bytes)
+        if self.delta_refused:
+            log.info("refit %s v%d: full pull: %s", self.options.model, info.version, self.delta_refused)
+            return None
+        return plan_delta(info, requests, plan.arena_bytes)
+
+    def _transfer(
+        self, watch: Stopwatch, leased: "Leased", arena: "torch.Tensor", widening: "Verification | None",
+        delta: DeltaPull | None,
+    ) -> "tuple[FailoverPull, int, DeltaPull | None]":
+        """Pull and verify: the delta (applied into the arena), or the whole version; a delta
+        whose bytes fail their checksums is dropped, loudly, for a full pull under the same lease."""
+        if delta is not None:
+            try:
+                with watch("pull"):
+                    pulled_by = self.pull(dataclasses.replace(leased, requests=delta.requests), arena)
+                with watch("verify"):
+                    blocks = self.verify(leased, arena, delta.widening)
+                    check_records(arena, leased.info, delta)
+                    apply(arena, leased.info, self._plans.plan(leased.info, self.target, self.hooks)[1], delta)
+                return pulled_by, blocks, delta
+            except ChecksumMismatch as exc:
+                log.warning("refit %s v%d: the delta failed verification, pulling the version whole: %s",
+                            self.options.model, leased.info.version, exc)
+                self.delta_refused = f"the delta failed verification: {exc}"
+        with watch("pull"):
+            pulled_by = self.pull(leased, arena)
+        with watch("verify"):
+            blocks = self.verify(leased, arena, widening)
+        return pulled_by, blocks, None
+
     def release(self, leased: "Leased") -> str:
         """Every byte is in the arena: this reader is done with the publisher's buffers. The
         lease is confirmed held until now (by the catalog's answer, or by its own deadline when
@@ -225,9 +276,11 @@ class RefitCycle:
         import torch
 
         if self.arena is None or self.arena.numel() < nbytes:
-            if self.arena is not None:
-                self.transport.deregister(self.arena)
+            old = self.arena
             self.arena = torch.empty(nbytes, dtype=torch.uint8, device=self.options.device)
+            if old is not None:
+                self.arena[: old.numel()] = old  # what it holds may be the next delta's base
+                self.transport.deregister(old)
             # Pinned now; registered with NIXL only when a source is read over NIXL.
             self.transport.register_many([self.arena], nixl=False)
         return self.arena

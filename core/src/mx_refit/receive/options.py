@@ -24,6 +24,7 @@ class ReceiveOptions:
     checksums: bool = False
     fanout: str = NO_FANOUT
     max_readers_per_source: int = 0
+    delta: str = "off"
 
     def __post_init__(self) -> None:
         check_seconds(self.lease_ttl_s, "lease_ttl_s")
@@ -33,6 +34,9 @@ class ReceiveOptions:
         check_flag(self.checksums, "checksums")
         check_mode(self.fanout, "fanout", FANOUT_MODES)
         check_count(self.max_readers_per_source, "max_readers_per_source")
+        check_mode(self.delta, "delta", ("off", "auto"))
+        if self.delta == "auto":
+            self.checksums = True  # a delta is applied only onto verified bytes, and verified
 
     @property
     def names_sources(self) -> bool:

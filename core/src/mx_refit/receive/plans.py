@@ -66,6 +66,11 @@ class PlanCache:
         self._plan = (key, plan, requests)
         return plan, requests
 
+    @property
+    def key(self) -> object:
+        """The layout key of the cached plan (None before the first)."""
+        return self._plan[0] if self._plan is not None else None
+
     def widen(self, info: VersionInfo, plan: "ReceivePlan", requests: Requests) -> "Verification":
         """The plan's reads widened to whole checksum blocks (see :mod:`mx_refit.checksums`),
         cached like the plan: by its layout and each source's block size."""

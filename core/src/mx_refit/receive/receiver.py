@@ -96,6 +96,7 @@ class Receiver:
     checksums: _Kept[bool] = _Kept("options")  # verify every pulled byte against the sources' checksums
     fanout: _Kept[str] = _Kept("options")
     max_readers_per_source: _Kept[int] = _Kept("options")
+    delta: _Kept[str] = _Kept("options")  # off | auto: delta refits onto the verified version held
     client: _Kept[Catalog] = _Kept("_cycle")
     transport: _Kept[Transport] = _Kept("_cycle")
     hooks: _Kept[Hooks] = _Kept("_cycle")
@@ -122,6 +123,7 @@ class Receiver:
         checksums: bool = False,
         fanout: str = NO_FANOUT,
         max_readers_per_source: int = 0,
+        delta: str = "off",
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
@@ -130,7 +132,7 @@ class Receiver:
         # Every argument is checked before anything is built, connected or leased.
         self.options = options = ReceiveOptions(
             model, reader_id or f"reader-{os.getpid()}-{uuid.uuid4().hex[:8]}", device, lease_ttl_s,
-            transfer_timeout_s, load_batch_bytes, checksums, fanout, max_readers_per_source,
+            transfer_timeout_s, load_batch_bytes, checksums, fanout, max_readers_per_source, delta,
         )
         self._dialled: CatalogClient | None = None  # dialled here from an address: closed here
         client: Catalog
@@ -191,6 +193,7 @@ class Receiver:
             "checksums": cfg.checksums,
             "fanout": cfg.fanout,
             "max_readers_per_source": cfg.max_readers_per_source,
+            "delta": cfg.delta,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:

@@ -1,0 +1,221 @@
+"""A receiver's delta refits (``weight_sync.delta: auto``): whether it may pull a version's
+delta instead of its bytes, what to read, and how the change lands in the arena.
+
+**The proof of the base.** After every refit whose bytes were verified against the sources'
+checksums, the receiver remembers (:class:`Held`) the version, each source's checksum digest,
+its plan's layout key, and a fingerprint (block sums) of its arena as it left it. A version's
+delta is used only when every source the plan reads carries one whose base is that version with
+exactly those checksums, the layout is the same, and the arena still has that fingerprint (it
+holds the base bytes, in the plan's coordinates). Otherwise the refit is a full pull.
+
+**The pull.** WHOLE tensors are read through the plan's own reads, clipped to them (widened to
+whole checksum blocks and verified, as a full pull is); the records region of each source that
+has records is read whole into a staging area after those reads and checked against its
+``record_sums``. Each record is then decoded and written through the plan's reads
+(:func:`mx_refit.delta.records.apply_changes`): exactly where a full pull would put those
+source bytes. Tensors without an entry cost no read; HF tensors none of whose bytes changed are
+not handed to the engine again.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mx_refit.delta import checksums_digest
+from mx_refit.errors import ChecksumMismatch
+from mx_refit.types import DeltaForm, SourceInfo, VersionInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mx_refit.checksums import Verification
+
+__all__ = ["DeltaPull", "DeltaState", "Held"]
+
+Requests = dict[str, list[tuple[int, int, int]]]
+FINGERPRINT_BLOCK = 1 << 20
+
+
+def fingerprint(arena: "torch.Tensor", nbytes: int) -> list[int]:
+    from mx_refit.checksums import span_sums
+
+    return span_sums(arena[:nbytes], FINGERPRINT_BLOCK).tolist()
+
+
+@dataclass
+class Held:
+    """What a receiver's arena holds, as verified: see the module docstring."""
+
+    version: int
+    key: object
+    digests: dict[str, str]
+    fingerprint: list[int]
+
+
+@dataclass
+class DeltaPull:
+    """One delta refit's reads: ``requests`` (the WHOLE tensors' reads, widened, plus every
+    needed record region into ``records``: source -> (arena offset, nbytes))."""
+
+    widening: "Verification"
+    requests: Requests
+    records: dict[str, tuple[int, int]]
+    arena_bytes: int
+    touched: list[tuple[int, int]] = field(default_factory=list)  # arena (offset, nbytes) changed
+    bytes_changed: int = 0
+
+
+class DeltaState:
+    """The receiver's :class:`Held` record and the delta decisions made from it."""
+
+    def __init__(self) -> None:
+        self.held: Held | None = None
+
+    def remember(self, info: VersionInfo, key: object, arena: "torch.Tensor", nbytes: int) -> None:
+        """After a refit whose bytes were verified: the arena holds ``info``'s bytes."""
+        digests = {s.source_id: checksums_digest(s.checksums) for s in info.sources}
+        if all(digests.values()):
+            self.held = Held(info.version, key, digests, fingerprint(arena, nbytes))
+
+    def refusal(self, info: VersionInfo, key: object, plan_requests: Requests, arena: "torch.Tensor | None",
+                nbytes: int) -> str:
+        """Why ``info`` cannot be applied as a delta onto what the arena holds ("" if it can)."""
+        held = self.held
+        if held is None or arena is None:
+            return "no verified version held"
+        if held.key != key:
+            return "the layout changed"
+        sources = {s.source_id: s for s in info.sources}
+        for source_id in plan_requests:
+            delta = sources[source_id].delta
+            if delta is None:
+                return f"source {source_id!r} published v{info.version} whole"
+            if delta.base_version != held.version:
+                return f"source {source_id!r}'s delta is against v{delta.base_version}, the arena holds v{held.version}"
+            if delta.base_digest != held.digests.get(source_id):
+                return f"source {source_id!r}'s base checksums differ from the ones v{held.version} was verified with"
+        if fingerprint(arena, nbytes) != held.fingerprint:
+            return "the arena changed since it was verified"
+        return ""
+
+
+def plan_delta(info: VersionInfo, plan_requests: Requests, plan_arena_bytes: int) -> DeltaPull:
+    """The reads of a delta refit (see the module docstring)."""
+    from mx_refit.checksums import widen
+
+    sources = {s.source_id: s for s in info.sources}
+    whole: Requests = {}
+    record_sources: dict[str, None] = {}  # ordered set
+    for source_id, reads in plan_requests.items():
+        source = sources[source_id]
+        assert source.delta is not None
+        clipped = []
+        for entry in source.delta.tensors:
+            if entry.form is DeltaForm.WHOLE:
+                clipped += _clip(reads, *_span(source, entry.tensor))
+            elif _clip(reads, *_span(source, entry.tensor)):
+                record_sources[source_id] = None
+        if clipped:
+            whole[source_id] = sorted(clipped)
+    widening = widen(whole, sources, plan_arena_bytes)
+    requests: Requests = {sid: list(ops) for sid, ops in widening.requests.items()}
+    records: dict[str, tuple[int, int]] = {}
+    at = widening.arena_bytes
+    for source_id in record_sources:
+        delta = sources[source_id].delta
+        assert delta is not None
+        requests.setdefault(source_id, []).append((delta.addr, at, delta.nbytes))
+        records[source_id] = (at, delta.nbytes)
+        at += delta.nbytes
+    return DeltaPull(widening, requests, records, at)
+
+
+def _span(source: SourceInfo, index: int) -> tuple[int, int]:
+    desc = source.tensors[index]
+    return desc.addr, desc.addr + desc.nbytes
+
+
+def _clip(reads: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The parts of ``reads`` (sorted by source address, not overlapping) inside [lo, hi)."""
+    starts = [r[0] for r in reads]
+    out = []
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(reads) and reads[i][0] < hi:
+        remote, local, n = reads[i]
+        a, b = max(remote, lo), min(remote + n, hi)
+        if a < b:
+            out.append((a, local + a - remote, b - a))
+        i += 1
+    return out
+
+
+def check_records(arena: "torch.Tensor", info: VersionInfo, pull: DeltaPull) -> None:
+    """Every pulled record region against its published sums (ChecksumMismatch otherwise)."""
+    from mx_refit.checksums import span_sums
+
+    sources = {s.source_id: s for s in info.sources}
+    for source_id, (offset, nbytes) in pull.records.items():
+        source = sources[source_id]
+        assert source.delta is not None and source.checksums is not None
+        got = span_sums(arena[offset : offset + nbytes], source.checksums.block_bytes).tolist()
+        if tuple(got) != tuple(source.delta.record_sums):
+            bad = next(i for i, (g, w) in enumerate(zip(got, source.delta.record_sums)) if g != w)
+            raise ChecksumMismatch(
+                f"delta records of source {source_id!r} v{info.version}: block {bad} does not match its checksum",
+                source_id=source_id, tensor="<delta records>", block=bad,
+            )
+
+
+def apply(arena: "torch.Tensor", info: VersionInfo, plan_requests: Requests, pull: DeltaPull) -> None:
+    """Decode every needed record and write it through the plan's reads (see the module
+    docstring); fills ``pull.touched`` and ``pull.bytes_changed``."""
+    from mx_refit.delta.records import apply_changes, decode
+    from mx_refit.types import DTYPE_SIZES
+
+    sources = {s.source_id: s for s in info.sources}
+    for source_id, reads in plan_requests.items():
+        source = sources[source_id]
+        assert source.delta is not None
+        for entry in source.delta.tensors:
+            lo, hi = _span(source, entry.tensor)
+            mine = _clip(reads, lo, hi)
+            if not mine:
+                continue
+            pull.touched += [(local, n) for _, local, n in mine]
+            desc = source.tensors[entry.tensor]
+            if entry.form is DeltaForm.WHOLE:
+                pull.bytes_changed += sum(n for _, _, n in mine)
+                continue
+            base = pull.records[source_id][0] + entry.offset
+            positions, values = decode(entry.form, arena[base : base + entry.nbytes], desc.nbytes,
+                                       DTYPE_SIZES[desc.dtype], entry.changed, entry.narrow)
+            pull.bytes_changed += apply_changes(arena, positions + lo, values, mine)
+
+
+def changed_only(tensors: list, arena: "torch.Tensor", touched: list[tuple[int, int]]) -> list:
+    """The materialised ``(name, tensor)`` pairs that may hold a changed byte: views of the
+    arena that overlap a changed range, and every tensor that is not such a view."""
+    if not touched:
+        return []
+    spans = sorted(touched)
+    starts = [s for s, _ in spans]
+    ends = []
+    reach = 0
+    for s, n in spans:  # the furthest end among ranges starting at or before each start
+        reach = max(reach, s + n)
+        ends.append(reach)
+    base, size = arena.data_ptr(), arena.numel()
+    keep = []
+    for name, t in tensors:
+        offset = t.data_ptr() - base
+        if not 0 <= offset < size:
+            keep.append((name, t))
+            continue
+        last = sum((d - 1) * st for d, st in zip(t.shape, t.stride())) if t.numel() else 0
+        span = (last + 1) * t.element_size()  # the view's hull in the arena
+        i = bisect.bisect_left(starts, offset + span) - 1
+        if i >= 0 and ends[i] > offset:
+            keep.append((name, t))
+    return keep
