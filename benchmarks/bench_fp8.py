@@ -98,12 +98,12 @@ def _sync(device: str) -> None:
 def quantise_throughput(layers: int, reps: int, device: str) -> dict:
     import torch
 
-    from mx_refit.fp8 import Fp8Publishing, _triton_kernel, quantize_reference
+    from mx_refit.fp8 import Fp8Publishing, _kernel_verified, quantize_reference
 
     tensors = _weights(layers, device)
     pub = Fp8Publishing()
     out = pub.convert(tensors)  # warm-up: allocation + Triton compile
-    assert device == "cpu" or _triton_kernel() is not None, "the Triton kernel did not load"
+    assert device == "cpu" or _kernel_verified(), "the Triton kernel did not load or failed its probe"
     by_name = {t.name: t.tensor for t in out}
     for t in tensors[:9]:  # one layer, every shape: the GPU bytes equal the CPU reference
         if t.tensor.dim() != 2:
@@ -134,20 +134,21 @@ def quantise_throughput(layers: int, reps: int, device: str) -> dict:
     return result
 
 
-def _source(address: str, model: str, fmt: str, layers: int, cycles: int, device: str, q) -> None:
+def _source(address: str, model: str, fmt: str, layers: int, cycles: int, device: str, q, read_q) -> None:
     from mx_refit.publisher import Publisher
 
     tensors = _weights(layers, device, seed=1)
     with Publisher(address, model, publish_format=fmt) as pub:
         for version in range(1, cycles + 1):
             if version > 1:
+                read_q.get(timeout=600)  # the receiver read the previous version
                 pub.wait_drained(version - 1, timeout_s=120)
             for t in tensors:
                 t.tensor.mul_(1.0001)  # an optimizer step
             _sync(device)
             pub.publish(version, tensors)
             q.put(("published", version, pub.quantize_seconds))
-        time.sleep(2)
+        read_q.get(timeout=600)
 
 
 def colocated_refit(layers: int, cycles: int, device: str) -> dict:
@@ -161,8 +162,9 @@ def colocated_refit(layers: int, cycles: int, device: str) -> dict:
     try:
         for fmt, targets in (("bf16", ("hf_raw",)), ("fp8_block", ("fp8_block",))):
             model = f"bench-{fmt}"
-            q = ctx.Queue()
-            proc = ctx.Process(target=_source, args=(server.address, model, fmt, layers, cycles, device, q), daemon=True)
+            q, read_q = ctx.Queue(), ctx.Queue()
+            proc = ctx.Process(target=_source, args=(server.address, model, fmt, layers, cycles, device, q, read_q),
+                               daemon=True)
             proc.start()
             rows = []
             with Receiver(server.address, model, device=device, target=TargetLayout(compile_targets=targets)) as rec:
@@ -173,6 +175,7 @@ def colocated_refit(layers: int, cycles: int, device: str) -> dict:
                     result = rec.refit(version, wait_s=60)
                     _sync(device)
                     wall = time.perf_counter() - start
+                    read_q.put(version)
                     s = result.stats
                     rows.append({"version": v, "refit_s": wall, "quantise_s": quant_s, "bytes_pulled": s.bytes_pulled,
                                  "transport": s.transport, "compile_target": s.compile_target, "phases": s.phase_seconds})

@@ -124,3 +124,24 @@ def test_publish_format_is_checked() -> None:
     with pytest.raises(InvalidArgument, match=r"publish_format: 'fp8' \(expected 'bf16' or 'fp8_block'\)"):
         Publisher("127.0.0.1:1", "m", publish_format="fp8")
     assert BLOCK_METADATA["block_size"] == "128,128"
+
+
+def test_the_revision_is_content_addressed_and_compat_is_stated(mx_catalog: str, mx_model_name: str) -> None:
+    weights = _model(4)
+    published = [PublishedTensor(n, t) for n, t in weights.items()]
+    with Publisher(mx_catalog, mx_model_name, publish_format="fp8_block", checksums=True) as pub:
+        revisions = []
+        for version in (1, 2, 3):
+            if version > 1:
+                pub.wait_drained(version - 1, timeout_s=30)
+            if version == 3:
+                next(iter(weights.values())).add_(1.0)  # new bytes
+            pub.publish(version, published)
+            source = pub.client.get_version(mx_model_name, version).sources[0]
+            revisions.append(source.revision)
+            assert source.compat is not None and source.compat.compile_config_digest.startswith("fp8_block:")
+    assert revisions[0] == revisions[1] != revisions[2] and revisions[0].startswith("b2:")
+    with Publisher(mx_catalog, mx_model_name + "-plain") as plain:
+        plain.publish(1, published)
+        source = plain.client.get_version(mx_model_name + "-plain", 1).sources[0]
+        assert source.revision == "" and source.compat is None  # nothing stated without checksums / FP8

@@ -113,7 +113,7 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 def quantize_into(x: "torch.Tensor", q: "torch.Tensor", scale: "torch.Tensor") -> None:
     """Quantise ``x`` into the persistent ``q`` (fp8, same shape) and ``scale`` (float32 grid),
     on ``x``'s device: one Triton kernel on CUDA (when Triton is there), the reference otherwise."""
-    if x.is_cuda and _triton_kernel() is not None and x.is_contiguous():
+    if x.is_cuda and x.is_contiguous() and _kernel_verified():
         _launch(x, q, scale)
         return
     ref_q, ref_s = quantize_reference(x)
@@ -133,6 +133,34 @@ def _triton_kernel() -> object | None:
         else:
             _KERNEL.append(block_quant_kernel)
     return _KERNEL[0]
+
+
+_VERIFIED: list[bool] = []
+
+
+def _kernel_verified() -> bool:
+    """Whether the Triton kernel loaded and, on a probe tensor, wrote the reference's exact bytes
+    (checked once per process; a mismatch logs and falls back to the reference, never ships
+    other bytes)."""
+    if not _VERIFIED:
+        ok = _triton_kernel() is not None
+        if ok:
+            import logging
+
+            import torch
+
+            g = torch.Generator(device="cuda").manual_seed(0)
+            probe = (torch.randn(300, 400, generator=g, device="cuda") * 3).to(torch.bfloat16)
+            probe[:128, :128] = 0
+            q = torch.empty(probe.shape, dtype=torch.float8_e4m3fn, device="cuda")
+            s = torch.empty(scale_shape(tuple(probe.shape)), dtype=torch.float32, device="cuda")
+            _launch(probe, q, s)
+            ref_q, ref_s = quantize_reference(probe)
+            ok = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+            if not ok:
+                logging.getLogger(__name__).warning("the Triton FP8 kernel's bytes differ from the reference; using torch ops")
+        _VERIFIED.append(ok)
+    return _VERIFIED[0]
 
 
 def _launch(x: "torch.Tensor", q: "torch.Tensor", scale: "torch.Tensor") -> None:
