@@ -280,3 +280,61 @@ def test_a_disturbed_arena_or_corrupt_records_fall_back_to_a_full_pull(mx_catalo
         got = rec.refit(4)
         assert got.stats.kind == "delta"
         _same(got, weights)
+
+
+def _start_source(address: str, model: str, spec_kwargs: dict, tp: int):
+    import multiprocessing as mp
+
+    from tests import _delta_source
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_delta_source.run, args=(address, model, spec_kwargs, tp, BLOCK, child), daemon=True)
+    proc.start()
+    return proc, conn
+
+
+def _ask(conn, message, reply):
+    if message is not None:
+        conn.send(message)
+    assert conn.poll(180), f"no {reply!r} from the source process"
+    kind, payload = conn.recv()
+    if kind == "error":
+        raise RuntimeError(payload)
+    assert kind == reply, (kind, payload)
+    return payload
+
+
+@pytest.mark.parametrize(("spec", "tp", "target"), [
+    (dict(layers=2, hidden=256, heads=4, groups=2, head_dim=64, ffn=512, vocab=500), 2,
+     TargetLayout(tp_rank=1, tp_size=4, full_tensors=False)),
+    (dict(layers=2, hidden=128, heads=4, groups=2, head_dim=32, experts=8, moe_ffn=64, vocab=300), 1,
+     TargetLayout(tp_rank=0, tp_size=2, full_tensors=False)),
+], ids=["dense-tp2-to-tp4r1", "moe-tp1-to-tp2r0"])
+def test_across_processes_a_resharding_delta_receiver_equals_a_full_one(mx_catalog, mx_model_name, spec, tp, target):
+    """Trainer ranks in another process publish deltas; a resharding receiver that pulls deltas
+    ends every version with exactly the bytes of one that pulls each version whole."""
+    proc, conn = _start_source(mx_catalog, mx_model_name, spec, tp)
+    try:
+        _ask(conn, None, "ready")
+        delta_engine: dict[str, torch.Tensor] = {}
+        full_engine: dict[str, torch.Tensor] = {}
+        with Receiver(mx_catalog, mx_model_name, target=target, engine=delta_engine, delta="auto") as rec, \
+                Receiver(mx_catalog, mx_model_name, target=target, engine=full_engine, checksums=True) as full:
+            kinds = []
+            for version in range(1, 5):
+                _ask(conn, ("publish", version), "published")
+                got, want = rec.refit(version), full.refit(version)
+                kinds.append(got.stats.kind)
+                assert set(delta_engine) == set(full_engine)
+                for name, tensor in full_engine.items():
+                    assert torch.equal(delta_engine[name].view(torch.uint8), tensor.view(torch.uint8)), (version, name)
+                if version > 1:
+                    assert got.stats.bytes_pulled < want.stats.bytes_pulled, (got.stats, want.stats)
+            assert kinds == ["full", "delta", "delta", "delta"]
+    finally:
+        if proc.is_alive():
+            conn.send(("stop", None))
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

@@ -136,7 +136,8 @@ class RefitCycle:
                 self.replica.offer(leased.info.version, requests, arena)
             tensors = list(plan.materialize(arena))
         with watch("load"):
-            self.load(changed_only(tensors, arena, delta.touched) if delta else tensors)
+            requests = self._plans.plan(leased.info, self.target, self.hooks)[1]
+            self.load(changed_only(tensors, arena, delta.touched, requests) if delta else tensors)
             if self.options.delta == "auto":  # verified bytes: the base of the next delta
                 self._delta.remember(leased.info, self._plans.key, arena, plan.arena_bytes)
         stats = self._stats(leased, plan, tensors, pulled_by, blocks, confirmed_by, watch.seconds,

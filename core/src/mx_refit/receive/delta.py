@@ -194,28 +194,36 @@ def apply(arena: "torch.Tensor", info: VersionInfo, plan_requests: Requests, pul
             pull.bytes_changed += apply_changes(arena, positions + lo, values, mine)
 
 
-def changed_only(tensors: list, arena: "torch.Tensor", touched: list[tuple[int, int]]) -> list:
-    """The materialised ``(name, tensor)`` pairs that may hold a changed byte: views of the
-    arena that overlap a changed range, and every tensor that is not such a view."""
+def _merged(ranges: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Sorted, merged ``(offset, nbytes)`` ranges as parallel lists of starts and ends."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for s, n in sorted(ranges):
+        if starts and s <= ends[-1]:
+            ends[-1] = max(ends[-1], s + n)
+        else:
+            starts.append(s)
+            ends.append(s + n)
+    return starts, ends
+
+
+def changed_only(tensors: list, arena: "torch.Tensor", touched: list[tuple[int, int]], plan_requests: Requests) -> list:
+    """The materialised ``(name, tensor)`` pairs that may hold a changed byte. Skipped are only
+    views of the arena lying wholly in bytes the plan reads in place (not in staged copies that
+    ``materialize`` makes) none of which the delta touched."""
     if not touched:
         return []
-    spans = sorted(touched)
-    starts = [s for s, _ in spans]
-    ends = []
-    reach = 0
-    for s, n in spans:  # the furthest end among ranges starting at or before each start
-        reach = max(reach, s + n)
-        ends.append(reach)
+    t_starts, t_ends = _merged(touched)
+    r_starts, r_ends = _merged([(local, n) for reads in plan_requests.values() for _, local, n in reads])
     base, size = arena.data_ptr(), arena.numel()
     keep = []
     for name, t in tensors:
         offset = t.data_ptr() - base
-        if not 0 <= offset < size:
-            keep.append((name, t))
-            continue
         last = sum((d - 1) * st for d, st in zip(t.shape, t.stride())) if t.numel() else 0
-        span = (last + 1) * t.element_size()  # the view's hull in the arena
-        i = bisect.bisect_left(starts, offset + span) - 1
-        if i >= 0 and ends[i] > offset:
+        end = offset + (last + 1) * t.element_size()  # the view's hull in the arena
+        r = bisect.bisect_right(r_starts, offset) - 1
+        in_place = 0 <= offset < size and r >= 0 and end <= r_ends[r]
+        i = bisect.bisect_left(t_starts, end) - 1
+        if not in_place or (i >= 0 and t_ends[i] > offset):
             keep.append((name, t))
     return keep
