@@ -14,8 +14,13 @@ cuda_ipc); the path each refit took is reported.
 Cases (sizes times --scale):
   large: 8 GiB in tensors of 64-512 MiB
   small: 10,000 tensors of 256 KiB (--small-kib; --scale scales the count)
-Source tensors are views into one buffer, as Megatron's DDP keeps parameters in contiguous
-buffers; the receiver pulls into its registered arena.
+  small-scattered: the same, each tensor its own allocation
+  qwen3-8b: Qwen3-8B's 399 bf16 tensors (16.4 GB), each its own allocation (as HF/FSDP models
+    and vLLM keep parameters)
+Source tensors of the other cases are views into one buffer, as Megatron's DDP keeps parameters
+in contiguous buffers; the receiver pulls into its registered arena. Every cycle's bytes are
+checked; "whole refit" is the receiver's refit() wall time (discover, plan, lease, pull,
+release, materialise), compared with the torch flat copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +40,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling _i
 MIB = 1 << 20
 
 
+def qwen3_8b_sizes() -> list[int]:
+    """Bytes of Qwen3-8B's 399 bf16 tensors, in HF order: 36 layers of hidden 4096, 32 query
+    and 8 KV heads of 128, MLP 12,288; vocabulary 151,936, untied embeddings."""
+    hidden, kv, ffn, vocab, head = 4096, 1024, 12288, 151_936, 128
+    layer = [hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, head, head,  # q k v o, q/k norms
+             ffn * hidden, ffn * hidden, hidden * ffn, hidden, hidden]  # gate up down, 2 layer norms
+    return [2 * n for n in [vocab * hidden, *layer * 36, hidden, vocab * hidden]]
+
+
+def scattered(case: str) -> bool:
+    """Whether the case's source tensors are each their own allocation."""
+    return case.endswith("-scattered") or case == "qwen3-8b"
+
+
 def case_sizes(case: str, scale: float, small_kib: int = 256) -> list[int]:
+    if case == "qwen3-8b":
+        return [max(16, int(n * scale) // 16 * 16) for n in qwen3_8b_sizes()]
+    case = case.removesuffix("-scattered")
     if case == "large":
         sizes = [64, 128, 256, 512] * 8 + [512]  # 8 GiB
         return [max(1, int(s * scale)) * MIB for s in sizes]
@@ -48,11 +70,13 @@ def _device(kind: str, index: int) -> str:
     return f"cuda:{index}" if kind == "cuda" else "cpu"
 
 
-def _fill(buf, version: int) -> None:
+def _fill(buf, version: int, first_word: int = 0) -> None:
+    """Version ``version``'s bytes of ``buf``, as the slice from word ``first_word`` of one
+    flat buffer: a scattered source and the receiver's flat check agree."""
     import torch
 
     words = buf.view(torch.int32)
-    torch.arange(words.numel(), dtype=torch.int32, device=buf.device, out=words)
+    torch.arange(first_word, first_word + words.numel(), dtype=torch.int32, device=buf.device, out=words)
     words.add_(version * 7919)
 
 
@@ -68,12 +92,19 @@ def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_
             torch.cuda.set_device(0)
         publishers, tensors, buffers = {}, {}, {}
         for case, sizes in cases.items():
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
             views, off = [], 0
-            for i, size in enumerate(sizes):
-                views.append(PublishedTensor(f"layers.{i}.weight", buf[off : off + size]))
-                off += size
-            buffers[case], tensors[case] = buf, views
+            if scattered(case):  # each its own allocation; filled tensor by tensor
+                for i, size in enumerate(sizes):
+                    views.append(PublishedTensor(f"layers.{i}.weight",
+                                                 torch.empty(size, dtype=torch.uint8, device=dev)))
+                buffers[case] = None
+            else:
+                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+                for i, size in enumerate(sizes):
+                    views.append(PublishedTensor(f"layers.{i}.weight", buf[off : off + size]))
+                    off += size
+                buffers[case] = buf
+            tensors[case] = views
             publishers[case] = Publisher(address, f"bench-{case}", source_id=f"bench-{case}/src",
                                          transport_mode=transport)
         res_q.put(("ready", None))
@@ -84,7 +115,13 @@ def source_proc(address: str, device: str, cases: dict, cycles: int, cmd_q, res_
             pub = publishers[case]
             if version > 1:
                 pub.wait_drained(version - 1)
-            _fill(buffers[case], version)
+            if buffers[case] is not None:
+                _fill(buffers[case], version)
+            else:
+                word = 0
+                for t in tensors[case]:
+                    _fill(t.tensor, version, word)
+                    word += t.tensor.numel() // 4
             if device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -133,6 +170,7 @@ def receiver_proc(address: str, device: str, cmd_q, res_q, transport: str = "aut
                                   "transport": s.transport, "handles_opened": s.handles_opened,
                                   "device_copy_s": rec.transport.ipc().last_copy_s if s.transport == "cuda_ipc" else None,
                                   "read_s": rec.transport.last_read_s,
+                                  "copy_kernel": rec.transport.ipc().last_kernel if s.transport == "cuda_ipc" else None,
                                   "ipc_timing": dict(rec.transport.ipc().last_timing),
                                   "phase_s": dict(s.phase_seconds),
                                   "identical": bool(torch.equal(got, expected))}))
@@ -317,11 +355,19 @@ def main() -> int:
         entry["steady_refit_over_pull_median"] = statistics.median(
             c["refit_wall_s"] / c["seconds"] for c in steady_cycles
         )
+        entry["steady_phase_ms_median"] = {
+            phase: statistics.median(c["phase_s"].get(phase, 0.0) for c in steady_cycles) * 1e3
+            for phase in steady_cycles[0]["phase_s"]
+        }
         if args.no_baselines:
             print(json.dumps({case: {k: v for k, v in entry.items() if k != "cycles"}}), flush=True)
             continue
         entry.update(torch_copy_baseline(args.device, sizes))
         entry["ratio_vs_torch_copy_flat"] = steady / entry["torch_copy_flat_gbps"]
+        # The whole refit (steady median) against the flat copy of the same bytes.
+        flat_ms = sum(sizes) / entry["torch_copy_flat_gbps"] / 1e6
+        entry["torch_copy_flat_ms"] = flat_ms
+        entry["ratio_whole_refit_vs_torch_copy_flat"] = flat_ms / entry["steady_refit_ms_median"]
         if colocated:  # NCCL needs one GPU per rank: the colocated baseline is vLLM's ipc path
             from _ipc_baseline import ipc_copy_baseline
 

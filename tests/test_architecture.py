@@ -15,7 +15,8 @@ PLUGIN_SRCS = sorted(p for p in (ROOT / "plugins").glob("*/src") if p.is_dir())
 # What a plugin may import from mx-refit: the front door.
 FRONT_DOOR = {"mx_refit", "mx_refit.hookspecs", "mx_refit.types", "mx_refit.errors", "mx_refit.config"}
 # What the pure receive planner may import besides itself.
-LAYOUT_MAY_IMPORT = {"mx_refit.types", "mx_refit.errors", "mx_refit.plan", "mx_refit.ranges"}
+# mx_refit.copies: the batched device-copy kernel (torch/triton only, no catalog or transport)
+LAYOUT_MAY_IMPORT = {"mx_refit.types", "mx_refit.errors", "mx_refit.plan", "mx_refit.ranges", "mx_refit.copies"}
 # What sits above the receive side (it builds on receive/; receive/ never imports it).
 ABOVE_RECEIVE = ("mx_refit.publisher", "mx_refit.megatron", "mx_refit.verify", "mx_refit.demo", "mx_refit.cli",
                  "mx_refit.testing")

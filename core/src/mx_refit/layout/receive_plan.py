@@ -19,6 +19,8 @@ from itertools import chain, repeat
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from mx_refit.copies import BatchedCopy, Block, copy_mode
+from mx_refit.copies import available as copies_available
 from mx_refit.errors import InvalidArgument
 from mx_refit.plan import ViewMemo
 from mx_refit.types import ReadOp
@@ -39,6 +41,9 @@ class TensorSpec(NamedTuple):
     dtype: str
     copies: int  # staged blocks placed with a local strided copy (0: a pure view)
 
+
+# From this many staged blocks on, a GPU arena restages them with one batched kernel.
+RESTAGE_KERNEL_MIN = 4
 
 # One Megatron tensor in the plan: [arena base of its region, template, HF names, dtype, role,
 # (source id, descriptor address) per shard slot]. A list: the base is set in the second pass.
@@ -110,8 +115,10 @@ class MegatronReceivePlan:
 
         views: list[tuple[str, torch.Tensor]] = []
         restage: list[Any] = []
+        staged: list[Block] = []  # every staged block, for one batched kernel on a GPU
         dtypes: dict[str, torch.dtype] = {}
         origin = arena.storage_offset()
+        start_ptr = arena.data_ptr()
         for entry in self._entries:
             base, tpl, names, dtype = entry[0], entry[1], entry[2], entry[3]
             tdtype = dtypes.get(dtype)
@@ -122,6 +129,11 @@ class MegatronReceivePlan:
                 region = arena[start : start + out.nbytes]
                 if out.copies:
                     rows = out.shape[0]
+                    staged.extend(
+                        Block(start_ptr + base + c.landing, start_ptr + start + c.dst_col, c.rows, c.width,
+                              c.row_stride, out.nbytes // rows)
+                        for c in out.copies
+                    )
                     blocks = [
                         (
                             c.dst_col,
@@ -130,9 +142,15 @@ class MegatronReceivePlan:
                         for c in out.copies
                     ]
                     place = partial(place_column_blocks, region.view(rows, out.nbytes // rows), blocks)
-                    place()
                     restage.append(place)
                 views.append((name, region.view(tdtype).view(out.shape)))
+        if (staged and arena.is_cuda and len(restage) >= RESTAGE_KERNEL_MIN and start_ptr % 16 == 0
+                and copy_mode() != "never" and copies_available()):
+            # One launch for every staged block, every cycle (a torch copy per block costs a
+            # launch each: thousands for a row-parallel merge of a MoE model).
+            restage = [BatchedCopy(staged, arena).launch]
+        for place in restage:
+            place()
         self._memo.keep(arena, views, restage)
         return views
 

@@ -12,8 +12,10 @@ source exports nothing and readers fall back to NIXL.
 Reader side (:meth:`CudaIpcTransport.read`): each handle is opened once and cached per (source,
 region) in a :class:`HandleCache`; a changed handle (the trainer reallocated after a drain) is
 reopened, a source that expired or a closing transport closes its handles. The coalesced ranges
-become ``cuMemcpyAsync`` calls on one dedicated stream per device, waited on once. A source in
-this very process is read from its own addresses (CUDA cannot open a process's own handle).
+become one batched copy kernel over a device-resident range table (:mod:`mx_refit.copies`) when
+there are :data:`KERNEL_MIN_COPIES` or more of them, else ``cuMemcpyAsync`` calls spread over a
+device's dedicated streams; either way waited on once. A source in this very process is read
+from its own addresses (CUDA cannot open a process's own handle).
 
 Only the CUDA driver library (``libcuda.so.1``, through ctypes) and torch (streams, device
 UUIDs) are used.
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 # against 2.9 ms as one flat copy on one H200); on several streams those gaps overlap.
 COPY_STREAMS = 4
 SPREAD_MIN_COPIES = 16
+# From this many ranges on a read is one batched kernel (mx_refit.copies), not a copy per range.
+KERNEL_MIN_COPIES = 16
 _COPY_OVERHEAD_BYTES = 5 << 20  # ~2.5 us at ~2 TB/s: what one copy's fixed cost is worth in bytes
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(CUipcMemHandle)
 UUID_BYTES = 16
@@ -187,12 +191,14 @@ class _Program:
     lanes: _Lanes
     groups: list[list[tuple[int, int, int]]]
     nbytes: dict[str, int]
+    batch: Any = None  # a mx_refit.copies.BatchedCopy doing every copy, or None (the groups do)
 
     def serves(self, sources: "Mapping[str, SourceInfo]", requests: "Mapping[str, Any]", arena: Any) -> bool:
         if len(requests) != len(self.requests) or arena.data_ptr() != self.arena_ptr:
             return False
         return all(
-            self.requests.get(sid) is ranges and sources[sid].cuda_ipc == self.exports[sid]
+            self.requests.get(sid) is ranges
+            and (sources[sid].cuda_ipc is self.exports[sid] or sources[sid].cuda_ipc == self.exports[sid])
             for sid, ranges in requests.items()
         )
 
@@ -317,6 +323,7 @@ class CudaIpcTransport:
         self.copies = 0
         self.bytes_read = 0
         self.last_copy_s = 0.0
+        self.last_kernel = False  # whether the last read was one batched kernel
         self.last_timing: dict[str, float] = {}
         # source_id -> (request list, its key, device copies, bytes): a cycle's translation
         self._translated: dict[str, tuple[Any, Any, list[tuple[int, int, int]], int]] = {}
@@ -431,13 +438,13 @@ class CudaIpcTransport:
         if program is not None and program.serves(sources, requests, arena):
             for source_id in requests:
                 self._check_alive(source_id, program.exports[source_id])
-            lanes, groups, nbytes = program.lanes, program.groups, program.nbytes
             primed_here, bound = primed == (threading.get_ident(), program.arena_ptr), False
         else:
             primed_here, bound = False, True
             driver.bind(dev)  # opening handles needs the context
-            lanes, groups, nbytes = self._prepare(sources, requests, arena, dev)
-        copies = sum(len(g) for g in groups)
+            program = self._prepare(sources, requests, arena, dev)
+        lanes, groups, nbytes, batch = program.lanes, program.groups, program.nbytes, program.batch
+        copies = sum(len(g) for g in groups) + (batch.blocks if batch is not None else 0)
         memcpy = driver.memcpy_async
         t1 = time.perf_counter()
         if not primed_here:  # else prime() did this while the catalog answered
@@ -447,6 +454,9 @@ class CudaIpcTransport:
             lanes.ready.record(torch.cuda.current_stream(dev))
             lanes.streams[0].wait_event(lanes.ready)
         lanes.begin.record(lanes.streams[0])  # here, not in prime(): the copies' own time
+        if batch is not None:
+            with torch.cuda.stream(lanes.streams[0]):
+                batch.launch()
         for i, group in enumerate(groups):
             if i:
                 lanes.streams[i].wait_event(lanes.begin)
@@ -467,7 +477,8 @@ class CudaIpcTransport:
             pass
         end.synchronize()  # returns at once; raises what the copies raised
         t3 = time.perf_counter()
-        self.last_streams = len(groups)
+        self.last_streams = max(len(groups), 1 if batch is not None else 0)
+        self.last_kernel = batch is not None
         self.last_copy_s = lanes.begin.elapsed_time(end) / 1e3  # the copies alone, on the device
         for source_id in requests:  # died while we copied: its bytes are not trusted
             export = sources[source_id].cuda_ipc
@@ -486,9 +497,10 @@ class CudaIpcTransport:
         requests: "Mapping[str, Sequence[Range]]",
         arena: "torch.Tensor",
         dev: int,
-    ) -> "tuple[_Lanes, list[list[_Copy]], dict[str, int]]":
-        """Open or check the sources' handles and translate the requests into device copies
-        spread over the lanes' streams; remembered as the steady program."""
+    ) -> _Program:
+        """Open or check the sources' handles and translate the requests into device copies:
+        one batched kernel or copies spread over the lanes' streams; remembered as the steady
+        program."""
         assert self._cache is not None
         parts: list[list[_Copy]] = []
         nbytes: dict[str, int] = {}
@@ -516,10 +528,14 @@ class CudaIpcTransport:
         lanes = self._lanes.get(dev)
         if lanes is None or len(lanes.streams) != self.max_streams:
             lanes = self._lanes[dev] = _Lanes(dev, self.max_streams)
-        groups = self._spread(parts, len(lanes.streams))
+        from mx_refit.copies import batched_ranges
+
+        batch = batched_ranges([c for part in parts for c in part], arena, KERNEL_MIN_COPIES)
+        groups = [] if batch is not None else self._spread(parts, len(lanes.streams))
         exports = {sid: sources[sid].cuda_ipc for sid in requests}
-        self._program = _Program(dict(requests), exports, arena.data_ptr(), lanes, groups, nbytes)  # type: ignore[arg-type]
-        return lanes, groups, nbytes
+        self._program = _Program(dict(requests), exports, arena.data_ptr(), lanes, groups, nbytes,  # type: ignore[arg-type]
+                                 batch)
+        return self._program
 
     def _spread(self, parts: list[list[_Copy]], streams: int) -> list[list[_Copy]]:
         """The cycle's copies as one group per stream, balanced by bytes plus a per-copy cost;
