@@ -146,8 +146,9 @@ def test_the_codec_round_trips_the_state_it_is_given(on_redis) -> None:
     document, blobs = codec.encode(state)
     again = StateCodec("k:").decode(document, blobs)
     assert StateCodec("k:").encode(again) == (document, blobs)
-    lease = next(iter(again.leases.values()))
-    assert lease.record is again.models["m"][1]  # shared objects stay shared
+    assert again.leases == {} and again.models["m"][1].leases == {}  # leases live in their own keys
+    life = again.sources["tp0"]
+    assert ("m", 1) in life.versions and again.models["m"][1].sources["tp0"].source_id == "tp0"
 
 
 @pytest.mark.parametrize("url, message", [

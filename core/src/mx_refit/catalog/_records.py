@@ -121,7 +121,8 @@ class VersionRecord:
     sidecar_text: str | None = None  # cached JSON of ``sidecar``; None after every change
     sidecar_digest: str = ""  # digest of ``sidecar_text`` (valid while that is not None)
     tensors: TensorIndex = field(default_factory=dict, metadata=TRANSIENT)  # from ``sources``
-    leases: dict[str, LeaseRecord] = field(default_factory=dict)
+    # Live leases: kept by the store apart from the version (the Redis store in its own keys).
+    leases: dict[str, LeaseRecord] = field(default_factory=dict, metadata=TRANSIENT)
     expected_readers: int = 0  # 0: completed reads are not tracked
     completed_readers: set[str] = field(default_factory=set)  # reader ids, each counted once
     # Fan-out: replica sources by id (offered once ready, until withdrawn), and the withdrawn
@@ -235,12 +236,26 @@ class Deadlines:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Timed]] = []
         self._seq = itertools.count()  # tie-breaker: records themselves are not ordered
+        # With tracking on (the Redis store), the leases renewed, created or ended since the last
+        # take_touched(): what a commit writes, instead of every lease.
+        self.track_leases = False
+        self._touched: set[LeaseRecord] = set()
+
+    def touch(self, timed: Timed) -> None:
+        """Note that ``timed`` changed (a lease's deadline, creation or end) for the store."""
+        if self.track_leases and isinstance(timed, LeaseRecord):
+            self._touched.add(timed)
+
+    def take_touched(self) -> set[LeaseRecord]:
+        touched, self._touched = self._touched, set()
+        return touched
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def set(self, timed: Timed, expires_at: float, *, new: bool = False) -> None:
         timed.expires_at = expires_at
+        self.touch(timed)
         if new or expires_at < timed.heap_at:
             self._push(timed, expires_at)
 

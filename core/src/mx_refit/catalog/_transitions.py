@@ -266,6 +266,7 @@ class CatalogCore:
 
     def _drop_lease_locked(self, lease: LeaseRecord, how: str, at: float) -> None:
         lease.dead = True
+        self._st.deadlines.touch(lease)
         del self._st.leases[lease.lease_id]
         self._st.ended_leases.add(lease, how, at)
         rec, lease.record = lease.record, None  # its heap entry stays until its TTL: pin nothing

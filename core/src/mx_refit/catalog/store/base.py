@@ -38,7 +38,9 @@ class CatalogState:
 
     models: dict[str, dict[int, VersionRecord]] = field(default_factory=dict)
     sources: dict[str, SourceLife] = field(default_factory=dict)
-    leases: dict[str, LeaseRecord] = field(default_factory=dict)
+    # Kept by the store apart from the rest (the Redis store: one key per lease, so a renewal
+    # writes one lease, not every one).
+    leases: dict[str, LeaseRecord] = field(default_factory=dict, metadata=TRANSIENT)
     ended_leases: EndedLeases = field(default_factory=EndedLeases)
     # Each live source id's last registered layout: a republished identical layout reuses its
     # descriptor tuple and digest instead of being hashed again (a per-process cache).

@@ -4,7 +4,10 @@ share it and a restarted one loses nothing that was committed.
 Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
 
 * ``NS doc`` — the control document: every version's state, sources' ready flags and
-  incarnations, TTL deadlines, leases, counters (:mod:`~mx_refit.catalog.store.codec`).
+  incarnations, TTL deadlines, counters (:mod:`~mx_refit.catalog.store.codec`).
+* ``NS leases`` — a hash, one field per live lease (its version, reader, TTL, deadline, sources):
+  a lease's renewal, creation or end writes that field only, so its cost does not grow with the
+  number of live leases (the document does not hold them).
 * ``NS blob:<hash>`` — the large immutable parts (a source's descriptors and agent metadata,
   the encoded sidecar), content-addressed: written once, deleted when no document refers to them.
 * ``NS gen`` — ``LINEAGE:TOKEN``: a random lineage made when the key is first written (a flushed
@@ -29,6 +32,7 @@ with a bounded backoff, so a release committed by any process wakes them within 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -40,7 +44,7 @@ from typing import Any, TypeVar
 import redis
 from redis.exceptions import RedisError, WatchError
 
-from mx_refit.catalog._records import EndedLeases
+from mx_refit.catalog._records import EndedLeases, LeaseRecord
 from mx_refit.catalog.store.base import CatalogState, CatalogStore, Txn
 from mx_refit.catalog.store.codec import StateCodec
 from mx_refit.errors import InvalidArgument, Unavailable
@@ -88,6 +92,7 @@ class RedisStore(CatalogStore):
         self._clock = clock
         self._gen_key = f"{namespace}gen"
         self._doc_key = f"{namespace}doc"
+        self._leases_key = f"{namespace}leases"
         self._codec = StateCodec(blob_prefix=f"{namespace}blob:")
         self._cond = threading.Condition(threading.Lock())  # serialises this process's calls
         self._state: CatalogState | None = None  # as of ``_generation``; None: load it
@@ -192,15 +197,23 @@ class RedisStore(CatalogStore):
             assert self._state is not None
             txn = Txn(self._state, now, generation, epoch=epoch)
             result = body(txn)
+            touched = self._state.deadlines.take_touched()
             document, blobs = self._codec.encode(self._state)
-            if document == self._document:
+            if document == self._document and not touched:
                 return result  # nothing changed: nothing to write (UNWATCH on leaving)
             keys = set(blobs)
             committed = f"{lineage}:{uuid.uuid4().hex}"
+            live: dict[Any, Any] = {lease.lease_id: _lease_text(lease) for lease in touched if not lease.dead}
+            ended = {lease.lease_id for lease in touched if lease.dead} - set(live)
             pipe.multi()
             for key in keys - self._blob_keys:
                 pipe.set(key, blobs[key])
-            pipe.set(self._doc_key, document)
+            if document != self._document:
+                pipe.set(self._doc_key, document)
+            if ended:
+                pipe.hdel(self._leases_key, *ended)
+            if live:
+                pipe.hset(self._leases_key, mapping=live)
             pipe.set(self._gen_key, committed)
             stale = self._blob_keys - keys
             if stale:
@@ -218,10 +231,12 @@ class RedisStore(CatalogStore):
             logger.warning("catalog store %s: the catalog document vanished; starting a new epoch", self.url)
             pipe.multi()
             pipe.set(self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}")
+            pipe.delete(self._leases_key)  # leases of versions nobody knows any more
             pipe.execute()
             raise WatchError("the catalog's document vanished")
         if raw is None:
             self._state, self._document, self._blob_keys = _fresh_state(), "", set()
+            self._state.deadlines.track_leases = True
         else:
             document = raw.decode()
             keys = self._codec.blob_keys(document)
@@ -233,8 +248,22 @@ class RedisStore(CatalogStore):
             state = self._codec.decode(document, {k: v.decode() for k, v in texts.items()})
             if not isinstance(state, CatalogState):
                 raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
+            self._load_leases(pipe, state)
             self._state, self._document, self._blob_keys = state, document, set(keys)
         self._generation = generation
+
+    def _load_leases(self, pipe: Any, state: CatalogState) -> None:
+        """Link every stored lease to its version (one key per lease, see the module docstring)."""
+        for lease_id, text in pipe.hgetall(self._leases_key).items():
+            model, version, reader_id, ttl_s, expires_at, sources = json.loads(text)
+            rec = state.models.get(model, {}).get(version)
+            if rec is None:  # its version is gone (cannot happen: a version with leases is kept)
+                continue
+            lease = LeaseRecord(ttl_s=ttl_s, expires_at=expires_at, lease_id=lease_id.decode(), reader_id=reader_id,
+                                record=rec, sources=tuple(sources))
+            state.leases[lease.lease_id] = rec.leases[lease.lease_id] = lease
+            state.deadlines.set(lease, expires_at, new=True)
+        state.deadlines.track_leases = True  # from now on: what was loaded is no change
 
     def wait_for_change(self, generation: object, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -252,6 +281,13 @@ class RedisStore(CatalogStore):
             except (RedisError, OSError) as exc:
                 raise Unavailable(f"catalog store {self.url}: {exc}") from None
             step = min(step * 2, _POLL_MAX_S)
+
+
+def _lease_text(lease: LeaseRecord) -> str:
+    """A live lease as its own key's value: its version (by model and number) and its fields."""
+    rec = lease.record
+    assert rec is not None, "a live lease belongs to a version"
+    return json.dumps([rec.model, rec.version, lease.reader_id, lease.ttl_s, lease.expires_at, list(lease.sources)])
 
 
 def _learn_run_id(connection: Any) -> None:
