@@ -249,6 +249,9 @@ class RedisStore(CatalogStore):
             if not isinstance(state, CatalogState):
                 raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
             self._load_leases(pipe, state)
+            now_at = pipe.get(self._gen_key)
+            if (now_at.decode() if isinstance(now_at, bytes) else now_at) != generation:
+                raise WatchError("a commit landed between the document and the leases")  # no torn state
             self._state, self._document, self._blob_keys = state, document, set(keys)
         self._generation = generation
 
