@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit._backoff import Backoff
 from mx_refit._heartbeat import Heartbeat
-from mx_refit.catalog.epoch import answer_epoch
+from mx_refit.catalog.epoch import PublisherEpochs
 from mx_refit.checks import AUTO, check_count, check_flag, check_seconds
 from mx_refit.config import DEFAULT_CHECKSUM_BLOCK_BYTES, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LEASE_TTL_S, DEFAULT_SOURCE_TTL_S
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -171,12 +171,11 @@ class Publisher:
         check_seconds(ttl_s, "ttl_s")
         self.lease_fence_s = check_seconds(lease_fence_s, "lease_fence_s", allow_zero=True)
         self._fenced_until = 0.0  # monotonic: no mutation before (the catalog lost our leases)
-        self._epoch = ""  # the catalog epoch of the heartbeats' answers (mx_refit.catalog.epoch)
-        self._registered_epochs: dict[int, str] = {}  # version -> epoch of its first registration
         self.expected_sources = expected_sources
         # Stable per mesh position, so a restarted rank replaces its own entry.
         self.source_id = source_id or mesh_source_id(model, self.mesh)
         self.client: Catalog = as_catalog(catalog, token=token)
+        self._epochs = PublisherEpochs(self.client, self.source_id)  # see mx_refit.catalog.epoch
         self._owns_client = isinstance(catalog, str)  # made here from an address: closed here
         self.hooks = hooks or Hooks()
         self.ttl_s = ttl_s
@@ -251,7 +250,7 @@ class Publisher:
             self.client.heartbeat(
                 source_ids=[self.source_id], incarnations={self.source_id: self.incarnation}
             )
-            if self._epoch_changed():  # it kept our registration but may have lost later writes
+            if self._epochs.beat_moved():  # it kept our registration but may have lost later writes
                 self._reregister()  # the catalog's drain holds the fence for what it had
         except NotFound:
             # The catalog lost this source (it restarted, or our TTL lapsed): register every
@@ -355,9 +354,7 @@ class Publisher:
             expected_readers=self.expected_readers,
         )
         state = self.client.mark_ready(model=self.model, version=version, source_id=self.source_id)
-        self._registered_epochs.setdefault(version, answer_epoch(self.client))
-        for older in sorted(self._registered_epochs)[:-64]:  # bounded: drains name recent versions
-            del self._registered_epochs[older]
+        self._epochs.registered(version)
         self._last_published = version
         with self._live_lock:
             # Older versions published from the same buffers were overwritten by this one.
@@ -433,7 +430,7 @@ class Publisher:
                     self.hooks.version_retired(self.model, version)
                 remaining = max(deadline - time.monotonic(), 0.0)
                 if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining,
-                                            registered_epoch=self._registered_epochs.get(version, "")):
+                                            registered_epoch=self._epochs.of(version)):
                     break
             except NotFound:
                 if not self._catalog_forgot_us(version):
@@ -469,22 +466,7 @@ class Publisher:
             return True
         except FailedPrecondition:
             return False  # a restarted rank took this source over: the catalog kept its state
-        # A rollback may keep our registration and lose the version (and its leases).
-        registered = self._registered_epochs.get(version, "")
-        return bool(registered) and answer_epoch(self.client) not in ("", registered)
-
-    def _epoch_changed(self) -> bool:
-        """Whether this thread's last answer came from another catalog epoch than the answers
-        relied on before (its state may have rolled back: leases and registrations lost)."""
-        epoch = answer_epoch(self.client)
-        if not epoch:
-            return False  # a catalog that does not say
-        changed, self._epoch = bool(self._epoch) and epoch != self._epoch, epoch
-        if changed:
-            log.warning("%s: the catalog's epoch changed to %s: its state may have rolled back (a store "
-                        "restart or failover); registering its versions again (its drains hold the lease fence)",
-                        self.source_id, epoch)
-        return changed
+        return self._epochs.moved_since(version)  # a rollback may keep us and lose the version
 
     def _catalog_lost(self) -> None:
         """The catalog no longer knows this source, so it lost any lease on our versions; a
@@ -558,7 +540,7 @@ class Publisher:
                 # Retired: the catalog's own wait is exact (it wakes on the last release).
                 remaining = max(0.0, wait.deadline - time.monotonic())
                 if self.client.wait_drained(model=self.model, version=version, timeout_s=remaining,
-                                            registered_epoch=self._registered_epochs.get(version, "")):
+                                            registered_epoch=self._epochs.of(version)):
                     break
             if not wait.sleep():
                 state = summary.state.value if summary is not None else "forgotten or never registered"

@@ -17,11 +17,15 @@ catalog does not say (an older catalog, a test double).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
 
-__all__ = ["AnswerEpochs", "answer_epoch"]
+__all__ = ["AnswerEpochs", "PublisherEpochs", "answer_epoch"]
+
+log = logging.getLogger(__name__)
+_VERSIONS_KEPT = 64  # a publisher drains recent versions
 
 _REGISTRATIONS_KEPT = 4096
 
@@ -66,3 +70,41 @@ class AnswerEpochs:
         """The epoch in which this client first registered (model, version) ("" if it did not)."""
         with self._epochs_lock:
             return self._registered_epochs.get((model, version), "")
+
+
+class PublisherEpochs:
+    """A publisher's epochs: of each version's first registration (sent with its drains) and of
+    its heartbeats' answers (a change: register the intact versions again)."""
+
+    def __init__(self, catalog: Any, source_id: str) -> None:
+        self._catalog, self._source_id = catalog, source_id
+        self._beat = ""
+        self._versions: dict[int, str] = {}
+
+    def registered(self, version: int) -> None:
+        """Note the epoch of this thread's last answer, a registration of ``version``."""
+        self._versions.setdefault(version, answer_epoch(self._catalog))
+        for older in sorted(self._versions)[:-_VERSIONS_KEPT]:
+            del self._versions[older]
+
+    def of(self, version: int) -> str:
+        """The epoch of ``version``'s first registration ("" when unknown)."""
+        return self._versions.get(version, "")
+
+    def moved_since(self, version: int) -> bool:
+        """Whether this thread's last answer came from another epoch than ``version``'s registration."""
+        registered = self.of(version)
+        return bool(registered) and answer_epoch(self._catalog) not in ("", registered)
+
+    def beat_moved(self) -> bool:
+        """Whether this thread's last answer (a heartbeat's) came from another epoch than the
+        previous heartbeat's: the catalog's state may have rolled back."""
+        epoch = answer_epoch(self._catalog)
+        if not epoch:
+            return False  # a catalog that does not say
+        moved, self._beat = bool(self._beat) and epoch != self._beat, epoch
+        if moved:
+            log.warning("%s: the catalog's epoch changed to %s: its state may have rolled back (a store restart or "
+                        "failover); registering its versions again (its drains hold the lease fence)",
+                        self._source_id, epoch)
+        return moved
