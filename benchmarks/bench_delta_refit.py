@@ -5,7 +5,8 @@
 
 A publisher (``delta="auto"``) and three receivers live in this process and talk over real NIXL
 (and, on CUDA, whatever ``transport: auto`` picks for a same-node source) through an embedded
-catalog: ``delta`` (``delta="auto"``), ``full+checksums`` (a full refit with the same
+catalog: ``delta`` (``delta="auto"``), ``delta-trusting-arena`` (the same with
+``delta_check_arena=False``: no fingerprint passes over the arena), ``full+checksums`` (a full refit with the same
 verification a delta refit needs) and ``full`` (no checksums: the plain refit). Two model shapes,
 bf16:
 
@@ -66,6 +67,7 @@ def run_shape(kind: str, args: argparse.Namespace) -> dict:
     rows = []
     with Publisher(server.address, model, delta="auto", delta_anchor_every=args.steps + 10) as pub, \
             Receiver(server.address, model, delta="auto", device=device) as delta, \
+            Receiver(server.address, model, delta="auto", delta_check_arena=False, device=device) as trusting, \
             Receiver(server.address, model, checksums=True, device=device) as checked, \
             Receiver(server.address, model, device=device) as plain:
         for step in range(args.steps + 1):
@@ -85,14 +87,17 @@ def run_shape(kind: str, args: argparse.Namespace) -> dict:
             pub.publish(version, model=weights)
             publish_s = time.perf_counter() - t0
             results = {}
-            for label, rec in (("delta", delta), ("full+checksums", checked), ("full", plain)):
+            receivers = (("delta", delta), ("delta-trusting-arena", trusting), ("full+checksums", checked), ("full", plain))
+            for label, rec in receivers:
                 t0 = time.perf_counter()
                 result = rec.refit(version)
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 results[label] = (time.perf_counter() - t0, result)
             got, want = dict(results["delta"][1].tensors), dict(results["full"][1].tensors)
+            trusted = dict(results["delta-trusting-arena"][1].tensors)
             mismatches = sum(not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want)
+            mismatches += sum(not torch.equal(trusted[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want)
             row = {
                 "version": version, "changed_fraction": changed / (nbytes // 2), "publish_s": publish_s,
                 "mismatches": mismatches, "delta_kind": results["delta"][1].stats.kind,
@@ -104,7 +109,8 @@ def run_shape(kind: str, args: argparse.Namespace) -> dict:
             rows.append(row)
             print(f"{kind} v{version}: {row['delta_kind']} changed {row['changed_fraction']:.3%} "
                   f"wire {row['delta']['bytes_pulled'] / nbytes:.3%} of {nbytes / GIB:.2f} GiB, "
-                  f"refit {row['delta']['seconds']:.3f}s vs full {row['full']['seconds']:.3f}s "
+                  f"refit {row['delta']['seconds']:.3f}s (arena trusted {row['delta-trusting-arena']['seconds']:.3f}s) "
+                  f"vs full {row['full']['seconds']:.3f}s "
                   f"(+checksums {row['full+checksums']['seconds']:.3f}s), publish {publish_s:.3f}s, "
                   f"mismatches {mismatches}", flush=True)
             pub.wait_drained(version)
@@ -116,6 +122,7 @@ def run_shape(kind: str, args: argparse.Namespace) -> dict:
         "steady": {
             "wire_fraction": mean("delta", "bytes_pulled") / mean("full", "bytes_pulled"),
             "time_fraction_vs_full": mean("delta", "seconds") / mean("full", "seconds"),
+            "time_fraction_trusting_arena_vs_full": mean("delta-trusting-arena", "seconds") / mean("full", "seconds"),
             "time_fraction_vs_full_checksums": mean("delta", "seconds") / mean("full+checksums", "seconds"),
             "mismatches": sum(r["mismatches"] for r in rows),
         },

@@ -228,8 +228,10 @@ def test_delta_refits_equal_full_pulls_and_anchor_every_n(mx_catalog, mx_model_n
     }
     with Publisher(mx_catalog, mx_model_name, delta="auto", delta_anchor_every=4, checksum_block_bytes=BLOCK) as pub, \
             Receiver(mx_catalog, mx_model_name, delta="auto") as rec, \
+            Receiver(mx_catalog, mx_model_name, delta="auto", delta_check_arena=False) as trusting, \
             Receiver(mx_catalog, mx_model_name, checksums=True) as full:
         pub.publish(1, model=weights)
+        trusting.refit(1)
         first = rec.refit(1)
         assert first.stats.kind == "full" and first.stats.delta_refused == "no verified version held"
         _same(first, weights)
@@ -238,10 +240,12 @@ def test_delta_refits_equal_full_pulls_and_anchor_every_n(mx_catalog, mx_model_n
         for version in range(2, 7):
             _step(weights, version)
             pub.publish(version, model=weights)
-            got, want = rec.refit(version), full.refit(version)
+            got, want, trusted = rec.refit(version), full.refit(version), trusting.refit(version)
             _same(got, weights)
             _same(want, weights)
+            _same(trusted, weights)
             anchor = version == 5  # v1 whole, then 3 deltas, then an anchor
+            assert trusted.stats.kind == got.stats.kind
             assert got.stats.kind == ("full" if anchor else "delta"), (version, got.stats.delta_refused)
             if not anchor:
                 entries = rec.client.get_version(model=mx_model_name, version=version).sources[0].delta.tensors

@@ -100,7 +100,7 @@ class RefitCycle:
         self.replica = replica
         self.arena: "torch.Tensor | None" = None  # registered once, reused every cycle
         self._plans = PlanCache()
-        self._delta = DeltaState()
+        self._delta = DeltaState(options.delta_check_arena)
         self.delta_refused = ""  # why the last refit was not a delta refit (delta "auto")
         self._order = lease_order(client, options, renewer, self.prime)
 

@@ -25,6 +25,7 @@ class ReceiveOptions:
     fanout: str = NO_FANOUT
     max_readers_per_source: int = 0
     delta: str = "off"
+    delta_check_arena: bool = True
 
     def __post_init__(self) -> None:
         check_seconds(self.lease_ttl_s, "lease_ttl_s")
@@ -35,6 +36,7 @@ class ReceiveOptions:
         check_mode(self.fanout, "fanout", FANOUT_MODES)
         check_count(self.max_readers_per_source, "max_readers_per_source")
         check_mode(self.delta, "delta", ("off", "auto"))
+        check_flag(self.delta_check_arena, "delta_check_arena")
         if self.delta == "auto":
             self.checksums = True  # a delta is applied only onto verified bytes, and verified
 

@@ -124,6 +124,7 @@ class Receiver:
         fanout: str = NO_FANOUT,
         max_readers_per_source: int = 0,
         delta: str = "off",
+        delta_check_arena: bool = True,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
@@ -133,6 +134,7 @@ class Receiver:
         self.options = options = ReceiveOptions(
             model, reader_id or f"reader-{os.getpid()}-{uuid.uuid4().hex[:8]}", device, lease_ttl_s,
             transfer_timeout_s, load_batch_bytes, checksums, fanout, max_readers_per_source, delta,
+            delta_check_arena,
         )
         self._dialled: CatalogClient | None = None  # dialled here from an address: closed here
         client: Catalog
