@@ -221,13 +221,26 @@ def _same(result, weights) -> None:
         assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
 
 
+class _Engine:
+    """A vLLM-style engine: ``load_weights`` copies, and records what it was handed."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            self.loaded.append(name)
+            self.weights[name] = tensor.clone()
+
+
 def test_delta_refits_equal_full_pulls_and_anchor_every_n(mx_catalog, mx_model_name):
     weights = {
         "w": torch.randn(2048, 256).to(torch.bfloat16), "b": torch.randn(4096).to(torch.bfloat16),
         "e0": torch.randn(512, 128).to(torch.bfloat16), "e1": torch.randn(512, 128).to(torch.bfloat16),
     }
     with Publisher(mx_catalog, mx_model_name, delta="auto", delta_anchor_every=4, checksum_block_bytes=BLOCK) as pub, \
-            Receiver(mx_catalog, mx_model_name, delta="auto") as rec, \
+            Receiver(mx_catalog, mx_model_name, delta="auto", engine=(engine := _Engine())) as rec, \
             Receiver(mx_catalog, mx_model_name, delta="auto", delta_check_arena=False) as trusting, \
             Receiver(mx_catalog, mx_model_name, checksums=True) as full:
         pub.publish(1, model=weights)
@@ -240,6 +253,7 @@ def test_delta_refits_equal_full_pulls_and_anchor_every_n(mx_catalog, mx_model_n
         for version in range(2, 7):
             _step(weights, version)
             pub.publish(version, model=weights)
+            engine.loaded.clear()
             got, want, trusted = rec.refit(version), full.refit(version), trusting.refit(version)
             _same(got, weights)
             _same(want, weights)
@@ -252,6 +266,8 @@ def test_delta_refits_equal_full_pulls_and_anchor_every_n(mx_catalog, mx_model_n
                 assert [e.tensor for e in entries] == [0, 1, 2]  # e1 (index 3) untouched: no entry, no read
                 assert got.stats.bytes_pulled < 0.2 * full_bytes  # b whole (8 KiB + blocks) and records
                 assert got.stats.bytes_changed > 0
+                assert sorted(engine.loaded) == ["b", "e0", "w"]  # the untouched expert is not loaded again
+            assert all(torch.equal(engine.weights[n].view(torch.uint8), w.view(torch.uint8)) for n, w in weights.items())
             pub.wait_drained(version)
 
 
