@@ -358,7 +358,10 @@ class TargetLayout:
     """The layout a receiver (an inference worker) needs.
 
     ``full_tensors=True`` asks for whole HF tensors (the engine's loader shards them itself);
-    otherwise only this rank's TP/EP slice of each HF tensor is planned and pulled.
+    otherwise only this rank's TP/EP slice of each HF tensor is planned and pulled, except for
+    HF names that start with one of ``whole_prefixes``: those arrive whole (an engine that can
+    place its own slice of most tensors but not of these, e.g. one layer kind it cannot prove).
+    A fused source tensor (Megatron's QKV, gate/up) arrives whole when any of its names does.
 
     ``compile_targets``: the forms the receiver's engine loads (a whitelist; default ``hf_raw``
     only). ``required_metadata``: ``(key, value)`` pairs every tensor of a non-``hf_raw`` target
@@ -376,6 +379,7 @@ class TargetLayout:
     compile_targets: tuple[str, ...] = (HF_RAW,)
     required_metadata: tuple[tuple[str, str], ...] = ()
     compat: CompileCompat | None = None
+    whole_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Hashable whatever the caller passed: plans are cached by the target layout.
@@ -386,6 +390,13 @@ class TargetLayout:
         if isinstance(metadata, Mapping) or not isinstance(metadata, tuple):
             items = metadata.items() if isinstance(metadata, Mapping) else metadata
             object.__setattr__(self, "required_metadata", tuple(sorted((str(k), str(v)) for k, v in items)))
+
+    def receives_whole(self, hf_names: "list[str] | tuple[str, ...]") -> bool:
+        """Whether tensors with these HF names are received whole."""
+        if self.full_tensors:
+            return True
+        prefixes = self.whole_prefixes
+        return bool(prefixes) and any(n.startswith(prefixes) for n in hf_names)
 
 
 @dataclass

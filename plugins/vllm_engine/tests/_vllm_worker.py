@@ -123,6 +123,10 @@ class WorkerProcess:
             "layout": eng.layout,
             "hook_layouts": (hooks.target_layout(self.model), hooks.target_layout(eng)),
             "last_update": None if last is None else last.to_dict(),
+            "last_load": dict(eng.last_load),
+            "bytes_pulled": eng.last_refit.bytes_pulled if eng.last_refit is not None else None,
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "unproven": dict(eng.params.unproven) if eng.params is not None else None,
             "active": self.worker._weight_update_active,
             "session": eng._session is not None,
         }

@@ -8,6 +8,7 @@ checkpoint itself.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,21 @@ def megatron(mx_catalog: str, ckpts: dict[int, Path], log_dir: Path):
     group.stop()
 
 
+def assert_rank_exact(stats: list[dict]) -> None:
+    """Every byte went straight into the parameters (nothing through vLLM's full-tensor
+    loader), and each rank pulled about its own parameter bytes (vocabulary padding aside)."""
+    for rank, s in enumerate(stats):
+        assert s["layout"].full_tensors is False and s["unproven"] == {}, (rank, s["unproven"])
+        assert s["last_load"]["loader_tensors"] == 0, (rank, s["last_load"])
+        assert s["last_load"]["placed_bytes"] == s["bytes_pulled"], (rank, s["last_load"], s["bytes_pulled"])
+        assert s["bytes_pulled"] <= s["param_bytes"], (rank, s["bytes_pulled"], s["param_bytes"])
+
+
 def test_megatron_tp2_to_vllm_tp1(megatron, tp1, mx_catalog: str, ckpts: dict[int, Path]) -> None:
     name, _ = megatron
     tp1.refit({"catalog": mx_catalog, "model": name}, {"version": 3}, ckpts[3])
     assert tp1.stats()[0]["layout"].tp_size == 1
+    assert_rank_exact(tp1.stats())
 
 
 def test_megatron_tp2_to_vllm_tp2_per_rank_list(
@@ -59,10 +71,13 @@ def test_megatron_tp2_to_vllm_tp2_per_rank_list(
     name, _ = megatron
     entries = [{"version": 3, "wait_s": 1.0 + rank} for rank in range(2)]
     tp2.refit({"catalog": mx_catalog, "model": name}, entries, ckpts[3])
+    assert_rank_exact(tp2.stats())
     for rank, stats in enumerate(tp2.stats()):
         assert stats["layout"].tp_rank == rank and stats["layout"].tp_size == 2
-        # Any mx-refit Receiver handed this worker's model or engine finds the same layout.
-        assert stats["hook_layouts"] == (stats["layout"], stats["layout"])
+        # A Receiver handed this worker's engine finds its layout; handed the bare model (loaded
+        # through vLLM's load_weights, which narrows whole tensors), the whole-tensor one.
+        whole = dataclasses.replace(stats["layout"], full_tensors=True, whole_prefixes=())
+        assert stats["hook_layouts"] == (whole, stats["layout"])
         assert stats["last_update"]["wait_s"] == 1.0 + rank, "a worker loaded another rank's entry"
 
 
@@ -78,3 +93,34 @@ def test_engine_update_weights_accepts_the_list_itself(
     tp2.group.call("engine", ("finish_weight_update", {}))
     tp2.check(ckpts[3])
     assert [s["last_update"]["wait_s"] for s in tp2.stats()] == [5.0, 6.0]
+
+
+def test_stage_while_serving_then_commit(megatron, tp2, mx_catalog: str, ckpts: dict[int, Path]) -> None:
+    """``phase="stage"`` pulls in the background and returns at once, the live weights stay
+    the previous version's until ``phase="commit"`` places the staged bytes; a commit whose
+    stage failed raises that error and leaves the weights intact."""
+    name, group = megatron
+    published = group.call("publish", (4, str(ckpts[4])), timeout_s=600)
+    assert published[-1]["state"] in {"PENDING", "READY"}
+    tp2.rpc("init_weight_transfer_engine", init_info={"catalog": mx_catalog, "model": name})
+    tp2.rpc("start_weight_update")
+    tp2.rpc("update_weights", update_info={"version": 4, "wait_s": 30.0, "phase": "stage"})
+    tp2.assert_untouched()  # serving the previous version while the stage runs (or has run)
+    tp2.rpc("update_weights", update_info={"phase": "commit"})
+    tp2.rpc("finish_weight_update")
+    tp2.check(ckpts[4])
+    tp2.current = ckpts[4]
+    assert_rank_exact(tp2.stats())
+
+    # A stage that fails (no such version) surfaces at the commit; nothing changed.
+    tp2.rpc("start_weight_update")
+    tp2.rpc("update_weights", update_info={"version": 99, "phase": "stage"})
+    with pytest.raises(Exception, match="99"):
+        tp2.rpc("update_weights", update_info={"phase": "commit"})
+    tp2.assert_untouched()
+    # A commit with nothing staged is refused, naming the fix.
+    tp2.rpc("start_weight_update")
+    with pytest.raises(Exception, match="phase='stage' first"):
+        tp2.rpc("update_weights", update_info={"phase": "commit"})
+    tp2.assert_untouched()
+    assert not any(s["session"] for s in tp2.stats())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 from itertools import accumulate, chain, islice, repeat
 from operator import setitem
 from typing import Any
@@ -295,6 +296,8 @@ class _Planner:
             raise InvalidArgument(
                 f"sidecar[{HF_MAP_KEY!r}]: an HF name appears twice among {names[positions[0]]!r}'s kind"
             )
+        if self.target.whole_prefixes and any(self.target.receives_whole(x) for x in hf):
+            return self._one_by_one(positions, names, entries, sids, members)  # some received whole
         (kind,) = kinds
         key = (kind, role, gshape, dtype, -1, lshape, vocab_like)
         tpl = self.templates.get(key)
@@ -384,6 +387,7 @@ class _Planner:
                 f"sidecar[{HF_MAP_KEY!r}][{mname!r}]: HF names {names} partly produced twice"
             )
         produced.update(names)
+        whole = bool(self.target.whole_prefixes) and self.target.receives_whole(names)
         axis = first.shard_axis
         if axis < 0:  # unsplit: one slot whose candidates are all replicas
             slots = [pairs[0] if len(pairs) == 1 else merge_replicas(pairs)]
@@ -396,6 +400,7 @@ class _Planner:
                 -1,
                 first.local_shape,
                 vocab_like,
+                whole,
             )
         else:
             slots, geometry = split_slots(pairs)
@@ -408,10 +413,11 @@ class _Planner:
                 geometry,
                 vocab_like,
                 first.extras.get("tp_size"),
+                whole,
             )
         tpl = self.templates.get(key)
         if tpl is None:
-            tpl = self.templates[key] = self._build_checked(mname, len(names), first, geometry, vocab_like)
+            tpl = self.templates[key] = self._build_checked(mname, len(names), first, geometry, vocab_like, whole)
             self.template_roles[id(tpl)] = role
         self.template_uses[id(tpl)] = self.template_uses.get(id(tpl), 0) + 1
         if tpl.gaps:
@@ -475,11 +481,18 @@ class _Planner:
         )
 
     def _build_checked(
-        self, mname: str, kind: int, desc: TensorDescriptor, geometry: tuple[Any, ...], vocab_like: bool
+        self,
+        mname: str,
+        kind: int,
+        desc: TensorDescriptor,
+        geometry: tuple[Any, ...],
+        vocab_like: bool,
+        whole: bool = False,
     ) -> Template:
+        target = replace(self.target, full_tensors=True) if whole else self.target
         try:
             return build_template(
-                mname, kind, desc, geometry, vocab_like, self.cfg, self.target, self.row_slice_options
+                mname, kind, desc, geometry, vocab_like, self.cfg, target, self.row_slice_options
             )
         except ValueError as exc:
             raise InvalidArgument(

@@ -104,9 +104,13 @@ class RefitCycle:
         self.delta_refused = ""  # why the last refit was not a delta refit (delta "auto")
         self._order = lease_order(client, options, renewer, self.prime)
 
-    def run(self, version: int | None, min_version: int, wait_s: float, notify: bool, attempt: list[int]) -> RefitResult:
+    def run(
+        self, version: int | None, min_version: int, wait_s: float, notify: bool, attempt: list[int],
+        load: bool = True,
+    ) -> RefitResult:
         """One refit (see :meth:`mx_refit.Receiver.refit`); appends the version to ``attempt``
-        once found. Nothing reaches the engine unless the lease is confirmed held."""
+        once found. Nothing reaches the engine unless the lease is confirmed held. ``load=False``
+        stops once the arena holds the version (:meth:`mx_refit.Receiver.stage`)."""
         watch = Stopwatch()
         with watch("discover"):
             info, lease = self._order.find(self.client, version, min_version, wait_s)
@@ -135,11 +139,14 @@ class RefitCycle:
             if self.replica is not None:  # complete, confirmed (and verified): offer it to the next readers
                 self.replica.offer(leased.info.version, requests, arena)
             tensors = list(plan.materialize(arena))
-        with watch("load"):
-            requests = self._plans.plan(leased.info, self.target, self.hooks)[1]
-            self.load(changed_only(tensors, arena, delta.touched, requests) if delta else tensors)
-            if self.options.delta == "auto":  # verified bytes: the base of the next delta
-                self._delta.remember(leased.info, self._plans.key, arena, plan.arena_bytes)
+        if load:
+            with watch("load"):
+                requests = self._plans.plan(leased.info, self.target, self.hooks)[1]
+                self.load(changed_only(tensors, arena, delta.touched, requests) if delta else tensors)
+                if self.options.delta == "auto":  # verified bytes: the base of the next delta
+                    self._delta.remember(leased.info, self._plans.key, arena, plan.arena_bytes)
+        else:  # staged: the engine may never get these bytes, so they are no delta base
+            self._delta = DeltaState()
         stats = self._stats(leased, plan, tensors, pulled_by, blocks, confirmed_by, watch.seconds,
                             self.transport.registrations - registrations_before)
         if delta is not None:

@@ -7,14 +7,16 @@ transport, plugins, replica) and closes them; each refit runs on its
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 import uuid
 from typing import TYPE_CHECKING, Any, overload
 
 from mx_refit.checks import AUTO, NO_FANOUT, TREE, check_seconds
 from mx_refit.config import DEFAULT_LEASE_TTL_S, DEFAULT_LOAD_BATCH_BYTES, DEFAULT_TRANSFER_TIMEOUT_S
-from mx_refit.errors import MxRefitError, TransferError
+from mx_refit.errors import FailedPrecondition, MxRefitError, TransferError
 from mx_refit.receive.cycle import RefitCycle, RefitResult
 from mx_refit.receive.lease import LeaseRenewer
 from mx_refit.receive.lease_order import discover
@@ -143,6 +145,7 @@ class Receiver:
         else:
             client = as_catalog(catalog, token=token)
         self._closing = False
+        self._staged: RefitResult | None = None  # Receiver.stage -> Receiver.commit
         hooks = hooks or Hooks()
         target = target or hooks.target_layout(engine)
         routing = RoutingTransport.wrap(
@@ -183,7 +186,6 @@ class Receiver:
         :param catalog: Default: ``cfg.catalog.address`` with ``cfg.catalog.token``.
         :param overrides: Any other constructor argument (they win over the config).
         """
-        import dataclasses
 
         from mx_refit.config import as_dict, catalog_argument
 
@@ -242,10 +244,60 @@ class Receiver:
         On any error ``mx_refit_refit_failed`` fires (with the version, when one was found)
         before the error is re-raised.
         """
+        return self._run(version, min_version, wait_s, notify, load=True)
+
+    def stage(self, version: int | None = None, *, min_version: int = 0, wait_s: float = 0.0) -> RefitResult:
+        """Everything :meth:`refit` does except loading: the version ends up in the receive
+        arena (complete, lease confirmed, verified) while the engine keeps serving its current
+        weights. :meth:`commit` then loads it in one short step.
+
+        Staging again, or a :meth:`refit`, replaces what was staged (they reuse the arena). A
+        failed stage leaves nothing staged and the engine untouched.
+        """
+        self._staged = None  # the arena is about to be rewritten
+        result = self._run(version, min_version, wait_s, notify=False, load=False)
+        self._staged = result
+        return result
+
+    @property
+    def staged(self) -> RefitResult | None:
+        """The staged, not yet committed version (``None`` when nothing is staged)."""
+        return self._staged
+
+    def commit(self) -> RefitResult:
+        """Load the staged version into the engine (through ``mx_refit_load_weights``) and fire
+        ``mx_refit_refit_done``. ``stats.phase_seconds["commit"]`` is this step's wall time.
+
+        :raises FailedPrecondition: nothing is staged (never staged, already committed, or a
+            refit or failed stage replaced it).
+        """
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise FailedPrecondition(f"receiver {self.reader_id!r}: commit() without a staged version")
+        began = time.perf_counter()
+        try:
+            self._cycle.load(staged.tensors)
+        except Exception as exc:
+            self._report_failure(staged.version.version, exc)
+            raise
+        phases = {**staged.stats.phase_seconds, "commit": time.perf_counter() - began}
+        stats = dataclasses.replace(staged.stats, phase_seconds=phases)
+        self.hooks.refit_done(stats)
+        return dataclasses.replace(staged, stats=stats)
+
+    def _report_failure(self, version: int | None, error: Exception) -> None:
+        try:
+            self.hooks.refit_failed(self.model, version, error)
+        except Exception:  # a failing observer must not hide the refit's own error
+            log.exception("mx_refit_refit_failed hook raised")
+
+    def _run(self, version: int | None, min_version: int, wait_s: float, notify: bool, *, load: bool) -> RefitResult:
         check_seconds(wait_s, "wait_s", allow_zero=True)
+        if load:
+            self._staged = None  # the refit rewrites the arena the staged tensors view
         attempt: list[int] = []  # the version being refitted, once discovered
         try:
-            return self._cycle.run(version, min_version, wait_s, notify, attempt)
+            return self._cycle.run(version, min_version, wait_s, notify, attempt, load)
         except Exception as exc:
             error = exc
             if self._closing and not isinstance(exc, TransferError):
@@ -253,10 +305,7 @@ class Receiver:
                 # client, the transport), the caller sees one kind of error.
                 error = TransferError(f"receiver {self.reader_id!r} was closed during the refit: {exc}")
                 error.__cause__ = exc
-            try:
-                self.hooks.refit_failed(self.model, attempt[0] if attempt else version, error)
-            except Exception:  # a failing observer must not hide the refit's own error
-                log.exception("mx_refit_refit_failed hook raised")
+            self._report_failure(attempt[0] if attempt else version, error)
             if error is exc:
                 raise
             raise error from exc

@@ -18,9 +18,11 @@ its own session flag when ``update_weights`` raises.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,16 +31,17 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 import mx_refit
-from mx_refit.errors import MxRefitError, NotFound, Unavailable
+from mx_refit.errors import FailedPrecondition, MxRefitError, NotFound, Unavailable
 from mx_refit.types import RefitStats, TargetLayout
 from mx_refit_vllm.infos import MxInitInfo, MxUpdateInfo
 from mx_refit_vllm.layout import check_names, target_layout, worker_coordinates
+from mx_refit_vllm.params import ParamMap
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    from mx_refit import Catalog, Hooks, Receiver
+    from mx_refit import Catalog, Hooks, Receiver, RefitResult
 
 __all__ = ["MxWeightTransferEngine"]
 
@@ -51,6 +54,7 @@ class _Session:
 
     started: float = field(default_factory=time.monotonic)
     layerwise: bool = False  # initialize_layerwise_reload ran on the target model
+    staging: tuple[threading.Thread, dict[str, Any]] | None = None  # a phase="stage" pull
     loaded: list[RefitStats] = field(default_factory=list)
 
 
@@ -89,7 +93,11 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._receivers: dict[str, Receiver] = {}
         self._session: _Session | None = None
         self._coords: dict[str, int] = {}
+        self.params: ParamMap | None = None  # where rank-local windows land (rank_exact)
         self.last_update: MxUpdateInfo | None = None  # the last update info this worker acted on
+        # The last load: bytes placed rank-exactly, tensors handed to vLLM's loader.
+        self.last_load: dict[str, int] = {}
+        self.last_refit: RefitStats | None = None  # the stats of the last version loaded
 
     # -- lifecycle --------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MxInitInfo) -> None:
@@ -104,7 +112,13 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self.shutdown()
         self._coords = worker_coordinates(self.parallel_config)
         quant_config = getattr(getattr(self, "vllm_config", None), "quant_config", None)
-        self.layout = target_layout(self.parallel_config, quant_config)  # an FP8 engine asks for fp8_block
+        self.params = None
+        whole: tuple[str, ...] | None = None
+        if init_info.rank_exact:
+            self.params = ParamMap(self.model, self._coords["tp_rank"], self._coords["tp_size"])
+            whole = self._whole_prefixes(self.params)
+        # An FP8 engine asks for fp8_block (whole tensors); others for rank-exact windows.
+        self.layout = target_layout(self.parallel_config, quant_config, whole)
         self.init_info = init_info
         receiver = self._receiver(init_info.model)  # dials the catalog; later models share it
         try:
@@ -157,19 +171,44 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: MxUpdateInfo) -> None:
-        """Pull one published version in full, then load it into the model in bounded batches.
+        """Pull one published version in full, then place it into the model (``phase="load"``);
+        or start pulling it in the background (``"stage"``), or place the staged one
+        (``"commit"``).
 
         :raises Unavailable: catalog unreachable (names the address).
-        :raises NotFound / FailedPrecondition: no such version, or not READY (names its state).
+        :raises NotFound / FailedPrecondition: no such version, or not READY (names its state);
+            a commit with nothing staged.
         :raises CoverageError / TransferError: the plan or the NIXL reads failed.
         :raises InvalidArgument: the version has tensors the model does not have.
         Any of these leaves the weights untouched and the session reset.
         """
-        init = self._require_init()
+        self._require_init()
         session = self._session
         if session is None:
             raise RuntimeError("mx: start_weight_update must be called before update_weights")
         self.last_update = update_info
+        if update_info.phase == "stage":
+            self._stage(session, update_info)
+            return
+        if update_info.phase == "commit":
+            staged = self._join_stage(session)
+            result, what = staged
+        else:
+            self._join_stage(None)  # an unfinished stage would rewrite the arena under this load
+            result, what = self._fetch(update_info, stage=False)
+        began = time.perf_counter()
+        self._load(session, result.tensors, what)
+        stats = dataclasses.replace(
+            result.stats, phase_seconds={**result.stats.phase_seconds, "commit": time.perf_counter() - began}
+        )
+        session.loaded.append(stats)
+        self.last_refit = stats
+        assert self._hooks is not None  # set by _receiver()
+        self._hooks.refit_done(stats)  # only now: the model has the weights
+
+    def _fetch(self, update_info: MxUpdateInfo, *, stage: bool) -> tuple[RefitResult, str]:
+        """Every byte of the version in the arena, names checked; the model untouched."""
+        init = self._require_init()
         model_name = update_info.model or init.model
         wait_s = init.ready_timeout_s if update_info.wait_s is None else update_info.wait_s
         what = (
@@ -179,28 +218,62 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         )
         try:
             receiver = self._receiver(model_name)
-            result = receiver.refit(
-                update_info.version, min_version=update_info.min_version, wait_s=wait_s, notify=False
-            )
+            pull = receiver.stage if stage else receiver.refit
+            kwargs: dict[str, Any] = {} if stage else {"notify": False}
+            result = pull(update_info.version, min_version=update_info.min_version, wait_s=wait_s, **kwargs)
             what = f"version {result.version.version} of {model_name!r}"
             if init.strict_names:
                 check_names(
                     self.model, result.tensors, tp_size=self.layout.tp_size if self.layout else 1, what=what
                 )
         except Unavailable as exc:
-            self._abort_session()
+            if not stage:  # a stage's error is raised (and the session reset) by the commit
+                self._abort_session()
             raise Unavailable(
                 f"mx: catalog unreachable at {init.catalog} while fetching {what}: {exc}"
             ) from exc
         except BaseException as exc:
-            self._abort_session()
+            if not stage:
+                self._abort_session()
             if isinstance(exc, MxRefitError):
                 log.warning("mx: %s not loaded, weights untouched: %s", what, exc)
             raise
-        self._load(session, result.tensors, what)
-        session.loaded.append(result.stats)
-        assert self._hooks is not None  # set by _receiver()
-        self._hooks.refit_done(result.stats)  # only now: the model has the weights
+        return result, what
+
+    def _stage(self, session: _Session, update_info: MxUpdateInfo) -> None:
+        """Start pulling ``update_info``'s version into the arena on a thread; return at once."""
+        self._join_stage(None)
+        box: dict[str, Any] = {}
+
+        def pull() -> None:
+            try:
+                box["result"] = self._fetch(update_info, stage=True)
+            except BaseException as exc:  # handed to the commit
+                box["error"] = exc
+
+        thread = threading.Thread(target=pull, name="mx-refit-stage", daemon=True)
+        session.staging = (thread, box)
+        thread.start()
+
+    def _join_stage(self, session: _Session | None) -> tuple[RefitResult, str]:
+        """Wait for the background stage; with ``session``, return it (or raise its error)."""
+        current = self._session
+        staging = current.staging if current is not None else None
+        if staging is not None:
+            staging[0].join()
+            assert current is not None
+            current.staging = None
+        if session is None:
+            return None  # type: ignore[return-value]
+        if staging is None:
+            self._abort_session()
+            raise FailedPrecondition("mx: commit without a staged version (send phase='stage' first)")
+        box = staging[1]
+        if "error" in box:
+            self._abort_session()
+            raise box["error"]
+        result: tuple[RefitResult, str] = box["result"]
+        return result
 
     def finish_weight_update(self) -> None:
         """Finalize layerwise reload (process + copy into the kernel tensors) and close the session."""
@@ -293,6 +366,20 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._receivers[model_name] = receiver
         return receiver
 
+    @staticmethod
+    def _whole_prefixes(params: ParamMap) -> tuple[str, ...] | None:
+        """The modules to pull whole, naming each in a warning; ``None``: pull everything whole."""
+        if not params.unproven:
+            return ()
+        listed = "; ".join(f"{prefix or '<model>'}: {why}" for prefix, why in params.unproven.items())
+        if params.renames:  # vLLM names != HF names: no prefix names them reliably
+            log.warning("mx: whole HF tensors for every parameter: %d module(s) cannot be placed "
+                        "rank-exactly and the model renames HF tensors: %s", len(params.unproven), listed)
+            return None
+        log.warning("mx: %d module(s) pulled as whole HF tensors and loaded by vLLM's loader "
+                    "(their rank-local placement is not proven): %s", len(params.unproven), listed)
+        return params.whole_prefixes()
+
     def _supports_layerwise(self) -> bool:
         # Models built by vLLM's loader had their layout recorded (record_metadata_for_reloading);
         # reloading anything else would restore parameters from empty metadata.
@@ -306,6 +393,15 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
     def _load(self, session: _Session, tensors: list[tuple[str, torch.Tensor]], what: str) -> None:
         """Hand ``tensors`` to ``model.load_weights`` in bounded batches (under layerwise reload)."""
         assert self.init_info is not None and self._hooks is not None
+        if self.params is not None and self.layout is not None and not self.layout.full_tensors:
+            # Rank-local windows straight into the parameters; vLLM's loader gets the rest.
+            placed, tensors = self.params.place(tensors)
+            self.last_load = {"placed_bytes": placed, "loader_tensors": len(tensors)}
+            log.debug("mx: placed %.1f MB rank-exactly; %d for vLLM's loader", placed / 1e6, len(tensors))
+            if not tensors:
+                return
+        else:
+            self.last_load = {"placed_bytes": 0, "loader_tensors": len(tensors)}
         if not session.layerwise and self._supports_layerwise():
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -328,6 +424,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
     def _abort_session(self) -> None:
         """Reset the session; if layerwise reload had started, put unloaded layers back."""
         session, self._session = self._session, None
+        staging = session.staging if session is not None else None
+        if staging is not None and staging[0] is not threading.current_thread():
+            staging[0].join()
         if session is not None and session.layerwise:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 

@@ -18,7 +18,9 @@ def _is_vllm_model(engine: Any) -> bool:
 
 @hookimpl
 def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
-    """The layout of the vLLM worker that owns ``engine`` (an mx engine or a vLLM model)."""
+    """The layout of the vLLM worker that owns ``engine``: the mx engine's own (rank-exact
+    where it can place the windows), or whole HF tensors for a bare vLLM model, whose
+    ``load_weights`` narrows full tensors itself."""
     if (
         type(engine).__name__ == "MxWeightTransferEngine"
         and type(engine).__module__ == "mx_refit_vllm.engine"

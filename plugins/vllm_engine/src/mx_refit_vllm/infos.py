@@ -42,6 +42,9 @@ def _check_address(cls: str, field: str, value: Any) -> None:
         raise InvalidArgument(f"{cls}.{field}: expected 'host:port', got {value!r}")
 
 
+PHASES = ("load", "stage", "commit")
+
+
 @dataclass
 class MxInitInfo(WeightTransferInitInfo):
     """Sent once per worker through ``init_weight_transfer_engine``.
@@ -60,6 +63,9 @@ class MxInitInfo(WeightTransferInitInfo):
         weight is touched). Turn off only for checkpoints with extra tensors vLLM ignores.
     :param checksums: Verify every pulled byte against the trainers' end-to-end checksums before
         loading (the trainers must publish with ``weight_sync.checksums: true``).
+    :param rank_exact: Pull only this rank's bytes and place them into vLLM's parameters
+        (modules it cannot prove are pulled whole and loaded by vLLM, with a warning naming
+        them); ``False`` pulls whole HF tensors for every parameter.
     """
 
     catalog: str
@@ -72,9 +78,11 @@ class MxInitInfo(WeightTransferInitInfo):
     load_batch_bytes: int = DEFAULT_LOAD_BATCH_BYTES
     strict_names: bool = True
     checksums: bool = False
+    rank_exact: bool = True
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        check_flag(self.rank_exact, f"{name}.rank_exact")
         _check_address(name, "catalog", self.catalog)
         _check_str(name, "model", self.model)
         _check_str(name, "token", self.token, optional=True)
@@ -102,15 +110,22 @@ class MxUpdateInfo(WeightTransferUpdateInfo):
         info's ``ready_timeout_s``.
     :param model: Catalog model name for this update; ``None`` uses the init info's (set it when
         updating a speculative draft model published under its own name).
+    :param phase: ``"load"`` (pull, then load: generation must be paused), ``"stage"`` (start
+        pulling the version into the receive arena in the background and return at once:
+        generation keeps running) or ``"commit"`` (wait for the staged pull, then place it into
+        the parameters: the short step to run with generation paused).
     """
 
     version: int | None = None
     min_version: int = 0
     wait_s: float | None = None
     model: str | None = None
+    phase: str = "load"
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        if self.phase not in PHASES:
+            raise InvalidArgument(f"{name}.phase: expected one of {', '.join(PHASES)}, got {self.phase!r}")
         if self.version is not None:
             check_count(self.version, f"{name}.version", minimum=0)
         check_count(self.min_version, f"{name}.min_version", minimum=0)

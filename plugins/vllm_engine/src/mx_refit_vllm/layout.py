@@ -2,10 +2,12 @@
 
 vLLM 0.33's weight loaders take *full* HF tensors and narrow them to the rank's slice themselves
 (``parameter.py``: ``load_column_parallel_weight`` & co. narrow at ``tp_rank * shard_size``
-unconditionally), so a worker asks for whole HF tensors (``TargetLayout.full_tensors=True``) and
-tells the planner its TP/EP coordinates. Expert parallelism is announced only when vLLM places
-experts linearly without EPLB redundancy, the one placement a planner can predict; otherwise
-every expert is pulled and vLLM's MoE loader keeps its own.
+unconditionally). A worker therefore asks for this rank's windows only where
+:mod:`mx_refit_vllm.params` can place them into the parameters itself (``full_tensors=False``
+with ``whole_prefixes`` naming the modules it cannot), and whole HF tensors otherwise.
+Expert parallelism is announced only when vLLM places experts linearly without EPLB
+redundancy, the one placement a planner can predict; otherwise every expert is pulled and
+vLLM's MoE loader keeps its own.
 
 :func:`check_names` runs before any weight is touched: vLLM's ``load_weights`` raises (KeyError,
 shape asserts) in the middle of a load when handed a tensor the model does not have, which
@@ -93,17 +95,27 @@ def compile_form(quant_config: Any) -> tuple[tuple[str, ...], dict[str, str]]:
     return ("fp8_tensor",), {}
 
 
-def target_layout(parallel_config: Any, quant_config: Any = None) -> TargetLayout:
-    """The :class:`~mx_refit.types.TargetLayout` of this vLLM worker (full HF tensors, in the
-    compile form its quantisation loads, see :func:`compile_form`)."""
+def target_layout(
+    parallel_config: Any, quant_config: Any = None, whole_prefixes: tuple[str, ...] | None = None
+) -> TargetLayout:
+    """The :class:`~mx_refit.types.TargetLayout` of this vLLM worker, in the compile form its
+    quantisation loads (see :func:`compile_form`).
+
+    ``whole_prefixes=None``, or a compile form other than ``hf_raw``: whole HF tensors (vLLM's
+    loaders narrow them). A tuple: this rank's windows only (``full_tensors=False``), except
+    for HF names under those prefixes (modules :class:`~mx_refit_vllm.params.ParamMap` cannot
+    place), which arrive whole.
+    """
     c = worker_coordinates(parallel_config)
     targets, required = compile_form(quant_config)
+    full = whole_prefixes is None or targets != ("hf_raw",)  # FP8 forms: whole tensors
     return TargetLayout(
         tp_rank=c["tp_rank"],
         tp_size=c["tp_size"],
         ep_rank=c["ep_rank"],
         ep_size=c["ep_size"],
-        full_tensors=True,
+        full_tensors=full,
+        whole_prefixes=() if full or whole_prefixes is None else whole_prefixes,
         compile_targets=targets,
         required_metadata=required,  # type: ignore[arg-type]  # a dict is kept sorted as pairs
     )
