@@ -485,7 +485,7 @@ def expected_window(
         if not target.ep_rank * per <= expert < (target.ep_rank + 1) * per:
             return None
         return full  # vLLM EP: experts whole
-    if target.full_tensors:
+    if target.receives_whole([name]):
         return full
     T, t = target.tp_size, target.tp_rank
 

@@ -119,3 +119,24 @@ def test_hf_name_clashes_resolve_like_the_reference() -> None:
     # (The one-by-one reference skips the second claimant instead; the fast path always raised.)
     with pytest.raises(InvalidArgument, match="appears twice"):
         plan_receive(_with_hf_map(version, twice), target)
+
+
+@pytest.mark.parametrize("spec", ["qwen2_bias_tied_fp32", "moe4"])
+def test_whole_prefixes_arrive_whole_in_a_sliced_plan(spec: str) -> None:
+    """``TargetLayout.whole_prefixes``: the named modules' tensors arrive whole (an engine that
+    cannot place their slices loads them itself), every other tensor as the rank's window;
+    the family fast path plans exactly like the reference."""
+    from tests.layout._planner_harness import check
+
+    published = publish(SPECS[spec], SourceLayout(tp=2))
+    # A fused Megatron tensor (here QKV) arrives whole when any of its HF names is named.
+    whole = ("model.layers.0.mlp.", "model.layers.1.self_attn.q_proj.", "model.layers.1.self_attn.k_proj.",
+             "model.layers.1.self_attn.v_proj.")
+    target = TargetLayout(tp_rank=1, tp_size=2, full_tensors=False, whole_prefixes=whole)
+    plan = plan_receive(published.version, target)
+    assert_same_plan(plan, reference_plan(published.version, target))
+    got = check(plan, published, SPECS[spec], target)
+    whole_names = [n for n in got if n.startswith(whole)]
+    assert whole_names and all(got[n].shape == published.hf[n].shape for n in whole_names)
+    sliced = plan_receive(published.version, TargetLayout(tp_rank=1, tp_size=2, full_tensors=False))
+    assert sliced.bytes_needed < plan.bytes_needed

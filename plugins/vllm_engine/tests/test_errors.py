@@ -71,7 +71,9 @@ def good(worker_groups, publish, mx_catalog: str, ckpts: dict[int, Path]) -> str
     assert publish(name, 1, _full(ckpts[1])) == "READY"
     assert publish(name, 2, _full(ckpts[4])) == "READY"
     tp1.refit({"catalog": mx_catalog, "model": name}, {"min_version": 1}, ckpts[4])
-    assert tp1.stats()[0]["last_update"] == {"version": None, "min_version": 1, "wait_s": None, "model": None}
+    assert tp1.stats()[0]["last_update"] == {
+        "version": None, "min_version": 1, "wait_s": None, "model": None, "phase": "load"
+    }
     return name
 
 

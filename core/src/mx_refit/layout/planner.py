@@ -258,6 +258,8 @@ class _Planner:
         of every layer): one template, and per tensor only a few list-comprehension steps (no
         per-tensor function calls; comprehensions beat map(methodcaller) several times on 3.12)."""
         role, gshape, dtype, _, lshape = sig
+        if self.target.whole_prefixes and self._any_whole(positions, entries):
+            return self._one_by_one(positions, names, entries, sids, members)  # some received whole
         vocab_like = role is _VOCAB
         if role is _EXPERT_COLUMN or role is _EXPERT_ROW:
             eids: list[Any] = [first_tensors[i].extras.get("expert_id") for i in positions]
@@ -296,8 +298,6 @@ class _Planner:
             raise InvalidArgument(
                 f"sidecar[{HF_MAP_KEY!r}]: an HF name appears twice among {names[positions[0]]!r}'s kind"
             )
-        if self.target.whole_prefixes and any(self.target.receives_whole(x) for x in hf):
-            return self._one_by_one(positions, names, entries, sids, members)  # some received whole
         (kind,) = kinds
         key = (kind, role, gshape, dtype, -1, lshape, vocab_like)
         tpl = self.templates.get(key)
@@ -334,6 +334,15 @@ class _Planner:
         self.entries += [
             [0, tpl, h, dtype, role, ((sids[j], a),)] for h, j, a in zip(hf, picks, chosen_addrs)
         ]
+
+    def _any_whole(self, positions: list[int], entries: list[Any]) -> bool:
+        """Whether the target receives any of these tensors whole (``whole_prefixes``)."""
+        for i in positions:
+            entry = entries[i]
+            names = entry.get("hf") if type(entry) is dict else None
+            if type(names) is list and self.target.receives_whole(names):
+                return True
+        return False
 
     def _one_by_one(
         self,
