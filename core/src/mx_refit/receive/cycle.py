@@ -284,6 +284,10 @@ class RefitCycle:
         import torch
 
         if self.arena is None or self.arena.numel() < nbytes:
+            from mx_refit.receive.memory import check_arena_fits, device_free_bytes
+
+            device = self.options.device
+            check_arena_fits(nbytes, device, device_free_bytes(device), reader=self.options.reader_id)
             old = self.arena
             self.arena = torch.empty(nbytes, dtype=torch.uint8, device=self.options.device)
             if old is not None:

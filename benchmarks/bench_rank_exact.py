@@ -1,0 +1,91 @@
+"""Wire bytes and receive-arena bytes per vLLM TP rank: whole HF tensors vs rank-exact (planning
+only, no weights allocated, no transfer).
+
+The manifest is bench_planner's Qwen3-30B-A3B-shaped Megatron job (TP4 x DP2 ranks, EP8, bf16,
+48 layers, 128 experts; 18,867 HF tensors). For each receiver TP size and rank the planner is
+asked for three targets and reports ``bytes_pulled`` (wire) and ``arena_bytes`` (receive memory
+outside the parameters):
+
+* ``full``: ``full_tensors=True``, what the vLLM plugin asked for before issue 21;
+* ``plugin``: what the vLLM plugin asks for now on this model: rank windows for every dense
+  module, the fused-MoE experts whole (``whole_prefixes``: the parameter map does not place
+  ``FusedMoE`` parameters yet, so vLLM's loader narrows them);
+* ``exact``: every tensor as the rank's window (experts TP-sliced), the lower bound.
+
+    python benchmarks/bench_rank_exact.py                 # TP 1, 2, 4, 8; prints one JSON object
+    python benchmarks/bench_rank_exact.py --tp 8 --table  # a Markdown table too
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "core" / "src"))
+
+from mx_refit.layout.planner import plan_receive  # noqa: E402
+from mx_refit.types import TargetLayout  # noqa: E402
+
+
+def _bench_planner():
+    spec = importlib.util.spec_from_file_location("mx_refit_bench_planner", HERE / "bench_planner.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(tp_sizes: list[int]) -> dict[str, object]:
+    planner = _bench_planner()
+    version = planner.manifest(tp=4, pp=1, dp=2, ep=8)
+    layers = planner.QWEN3_30B_A3B["num_layers"]
+    experts = tuple(f"model.layers.{L}.mlp.experts." for L in range(layers))
+    rows = []
+    for tp in tp_sizes:
+        for rank in range(tp):
+            targets = {
+                "full": TargetLayout(tp_rank=rank, tp_size=tp),
+                "plugin": TargetLayout(tp_rank=rank, tp_size=tp, full_tensors=False, whole_prefixes=experts),
+                "exact": TargetLayout(tp_rank=rank, tp_size=tp, full_tensors=False),
+            }
+            row: dict[str, object] = {"tp": tp, "rank": rank}
+            for kind, target in targets.items():
+                plan = plan_receive(version, target)
+                row[f"{kind}_wire"] = plan.bytes_pulled
+                row[f"{kind}_arena"] = plan.arena_bytes
+            rows.append(row)
+    return {"model": "Qwen3-30B-A3B-shaped (bench_planner.manifest tp4 dp2 ep8, bf16)", "rows": rows}
+
+
+def table(result: dict[str, object]) -> str:
+    gib = float(1 << 30)
+    lines = [
+        "| TP | rank | full wire / arena GiB | plugin wire / arena GiB | exact wire / arena GiB | plugin / full |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:  # type: ignore[attr-defined]
+        lines.append(
+            f"| {r['tp']} | {r['rank']} | {r['full_wire'] / gib:.2f} / {r['full_arena'] / gib:.2f} | "
+            f"{r['plugin_wire'] / gib:.2f} / {r['plugin_arena'] / gib:.2f} | "
+            f"{r['exact_wire'] / gib:.2f} / {r['exact_arena'] / gib:.2f} | {r['plugin_wire'] / r['full_wire']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", default="1,2,4,8", help="receiver TP sizes, comma separated")
+    parser.add_argument("--table", action="store_true", help="also print a Markdown table (stderr)")
+    args = parser.parse_args()
+    result = measure([int(t) for t in args.tp.split(",")])
+    if args.table:
+        print(table(result), file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
