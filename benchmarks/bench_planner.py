@@ -56,19 +56,31 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "vocab_size": 151936,
     "tie_word_embeddings": False,
 }
+QWEN3_8B: dict[str, Any] = {
+    "num_layers": 36,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_query_groups": 8,
+    "kv_channels": 128,
+    "ffn_hidden_size": 12288,
+    "num_moe_experts": 0,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
 BF16 = 2
 
 
-def manifest(tp: int, pp: int, dp: int, ep: int, etp: int = 1) -> VersionInfo:
+def manifest(tp: int, pp: int, dp: int, ep: int, etp: int = 1, config: dict[str, Any] | None = None) -> VersionInfo:
     """Descriptors of every rank of a Megatron job with TP x PP x DP ranks and MoE parallel
     folding: per stage, expert ranks (ETP fastest, then EP) are carved out of the TP x DP ranks,
     so a rank holds its TP shard of every dense tensor (replicated over DP) and the experts of its
-    EP rank (replicated over the expert-DP ranks, split over ETP)."""
+    EP rank (replicated over the expert-DP ranks, split over ETP). ``config`` with
+    ``num_moe_experts: 0`` (e.g. :data:`QWEN3_8B`) gives a dense model (gated MLP per layer)."""
     if (tp * dp) % (ep * etp):
         raise SystemExit(f"EP {ep} x ETP {etp} must divide TP {tp} x DP {dp}")
-    c = QWEN3_30B_A3B
+    c = config or QWEN3_30B_A3B
     h, heads, groups, d = c["hidden_size"], c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
-    layers, experts, moe_ffn = c["num_layers"], c["num_moe_experts"], c["moe_ffn_hidden_size"]
+    layers, experts, moe_ffn = c["num_layers"], c["num_moe_experts"], c.get("moe_ffn_hidden_size", 0)
     padded_vocab = -(-c["vocab_size"] // (128 * tp)) * (128 * tp)
     qkv_rows = (heads + 2 * groups) * d
     hf_map: dict[str, dict[str, object]] = {}
@@ -150,6 +162,13 @@ def manifest(tp: int, pp: int, dp: int, ep: int, etp: int = 1) -> VersionInfo:
             "AutoMapping",
             L,
         )
+        if not experts:  # dense: one gated MLP
+            ffn = c["ffn_hidden_size"]
+            add(m + "mlp.linear_fc1.weight", Role.GATED_MLP_COLUMN, (2 * ffn, h), 0, tp,
+                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "GatedMLPMapping", L)
+            add(m + "mlp.linear_fc2.weight", Role.ROW, (h, ffn), 1, tp, [p + "mlp.down_proj.weight"],
+                "AutoMapping", L)
+            continue
         add(
             m + "mlp.router.weight",
             Role.REPLICATED,
@@ -187,7 +206,7 @@ def manifest(tp: int, pp: int, dp: int, ep: int, etp: int = 1) -> VersionInfo:
     add("output_layer.weight", Role.COLUMN, (padded_vocab, h), 0, tp, ["lm_head.weight"], "AutoMapping")
 
     sources = []
-    per_stage, per_ep = layers // pp, experts // ep
+    per_stage, per_ep = layers // pp, max(experts // ep, 1)
     for s in range(pp):
         for q in range(tp * dp):
             t, e, et = q % tp, (q // etp) % ep, q % etp
@@ -229,9 +248,9 @@ def manifest(tp: int, pp: int, dp: int, ep: int, etp: int = 1) -> VersionInfo:
             sources.append(
                 SourceInfo(f"pp{s}-rank{q}", mesh, f"agent-{len(sources)}", b"", tuple(descs), True)
             )
-    config = {**QWEN3_30B_A3B, "padded_vocab_size": padded_vocab}
+    config = {**c, "padded_vocab_size": padded_vocab}
     return VersionInfo(
-        "qwen3-30b-a3b",
+        "qwen3-30b-a3b" if experts else "qwen3-8b",
         1,
         VersionState.READY,
         len(sources),

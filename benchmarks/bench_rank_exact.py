@@ -1,8 +1,9 @@
 """Wire bytes and receive-arena bytes per vLLM TP rank: whole HF tensors vs rank-exact (planning
 only, no weights allocated, no transfer).
 
-The manifest is bench_planner's Qwen3-30B-A3B-shaped Megatron job (TP4 x DP2 ranks, EP8, bf16,
-48 layers, 128 experts; 18,867 HF tensors). For each receiver TP size and rank the planner is
+The manifest is bench_planner's Megatron job (trainer TP4 x DP2 ranks, bf16): ``--model
+qwen3-8b`` (dense, 36 layers, untied vocabulary of 151,936) or ``qwen3-30b-a3b`` (EP8, 48
+layers, 128 experts; 18,867 HF tensors). For each receiver TP size and rank the planner is
 asked for three targets and reports ``bytes_pulled`` (wire) and ``arena_bytes`` (receive memory
 outside the parameters):
 
@@ -12,8 +13,8 @@ outside the parameters):
   ``FusedMoE`` parameters yet, so vLLM's loader narrows them);
 * ``exact``: every tensor as the rank's window (experts TP-sliced), the lower bound.
 
-    python benchmarks/bench_rank_exact.py                 # TP 1, 2, 4, 8; prints one JSON object
-    python benchmarks/bench_rank_exact.py --tp 8 --table  # a Markdown table too
+    python benchmarks/bench_rank_exact.py --table                         # Qwen3-8B, TP 1, 2, 4, 8
+    python benchmarks/bench_rank_exact.py --model qwen3-30b-a3b --table   # the MoE model
 """
 
 from __future__ import annotations
@@ -39,11 +40,15 @@ def _bench_planner():
     return module
 
 
-def measure(tp_sizes: list[int]) -> dict[str, object]:
+def measure(tp_sizes: list[int], model: str) -> dict[str, object]:
     planner = _bench_planner()
-    version = planner.manifest(tp=4, pp=1, dp=2, ep=8)
-    layers = planner.QWEN3_30B_A3B["num_layers"]
-    experts = tuple(f"model.layers.{L}.mlp.experts." for L in range(layers))
+    if model == "qwen3-8b":
+        version = planner.manifest(tp=4, pp=1, dp=2, ep=1, config=planner.QWEN3_8B)
+        experts: tuple[str, ...] = ()
+    else:
+        version = planner.manifest(tp=4, pp=1, dp=2, ep=8)
+        layers = planner.QWEN3_30B_A3B["num_layers"]
+        experts = tuple(f"model.layers.{L}.mlp.experts." for L in range(layers))
     rows = []
     for tp in tp_sizes:
         for rank in range(tp):
@@ -58,7 +63,7 @@ def measure(tp_sizes: list[int]) -> dict[str, object]:
                 row[f"{kind}_wire"] = plan.bytes_pulled
                 row[f"{kind}_arena"] = plan.arena_bytes
             rows.append(row)
-    return {"model": "Qwen3-30B-A3B-shaped (bench_planner.manifest tp4 dp2 ep8, bf16)", "rows": rows}
+    return {"model": f"{model}-shaped (bench_planner.manifest, trainer tp4 x dp2, bf16)", "rows": rows}
 
 
 def table(result: dict[str, object]) -> str:
@@ -80,8 +85,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", default="1,2,4,8", help="receiver TP sizes, comma separated")
     parser.add_argument("--table", action="store_true", help="also print a Markdown table (stderr)")
+    parser.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b")
     args = parser.parse_args()
-    result = measure([int(t) for t in args.tp.split(",")])
+    result = measure([int(t) for t in args.tp.split(",")], args.model)
     if args.table:
         print(table(result), file=sys.stderr)
     print(json.dumps(result))

@@ -125,6 +125,7 @@ class WorkerProcess:
             "last_update": None if last is None else last.to_dict(),
             "last_load": dict(eng.last_load),
             "bytes_pulled": eng.last_refit.bytes_pulled if eng.last_refit is not None else None,
+            "phase_seconds": dict(eng.last_refit.phase_seconds) if eng.last_refit is not None else {},
             "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
             "unproven": dict(eng.params.unproven) if eng.params is not None else None,
             "active": self.worker._weight_update_active,

@@ -111,6 +111,12 @@ def test_stage_while_serving_then_commit(megatron, tp2, mx_catalog: str, ckpts: 
     tp2.check(ckpts[4])
     tp2.current = ckpts[4]
     assert_rank_exact(tp2.stats())
+    for rank, s in enumerate(tp2.stats()):  # the pause (commit) next to the whole refit, for BENCHMARKS.md
+        phases = s["phase_seconds"]
+        assert "commit" in phases and "load" not in phases, phases
+        total = sum(phases.values()) * 1e3
+        print(f"rank {rank}: commit {phases['commit'] * 1e3:.3f} ms of a {total:.1f} ms refit "
+              f"({s['param_bytes']} parameter bytes)")
 
     # A stage that fails (no such version) surfaces at the commit; nothing changed.
     tp2.rpc("start_weight_update")
