@@ -189,6 +189,8 @@ def test_checksums_taken_in_vram_catch_a_flipped_bit_over_cuda_ipc(mx_catalog, m
             first = rec.refit(1)
             check(first, 31)
             assert first.stats.transport == "cuda_ipc" and first.stats.blocks_verified > 0
+            fused = rec._cycle._copy_sums  # the copy itself summed every block (each byte read once)
+            assert fused is not None and fused.launches == 1 and bool(fused.covered.all())
             name = trainer.do("flip", (3, 12345, 6), "flipped")
             with pytest.raises(ChecksumMismatch, match=f"tensor {name!r}"):
                 rec.refit(1)

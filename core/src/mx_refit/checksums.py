@@ -33,16 +33,20 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import ChecksumMismatch, InvalidArgument, TransferError
 from mx_refit.types import BlockChecksums, SourceInfo, TensorDescriptor
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import torch
+
+    from mx_refit.checksum_kernels import CopySums
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
+    "KnownSums",
     "Verification",
     "block_count",
     "check_block_bytes",
@@ -135,21 +139,37 @@ def _one_block(data: "torch.Tensor", weights: "torch.Tensor") -> "torch.Tensor":
 
 def span_sums(data: "torch.Tensor", block_bytes: int) -> "torch.Tensor":
     """Checksums (an int64 tensor on ``data``'s device) of the consecutive blocks of a flat
-    uint8 span that starts at a block boundary; every block but the last is whole."""
+    uint8 span that starts at a block boundary; every block but the last is whole.
+
+    CUDA (with Triton): one kernel launch (:mod:`mx_refit.checksum_kernels`). CPU: one int64
+    matrix-vector product of the whole blocks with the weights (a single vectorised pass, about
+    a copy's time; a multiply then a sum read the bytes three times), the short last block alone.
+    """
     import torch
 
     n = data.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=data.device)
+    if data.data_ptr() % 8 == 0:
+        from mx_refit import checksum_kernels as kernels
+
+        if kernels.available(data):
+            tasks = kernels.device_tasks([(data.data_ptr(), 0, n, 0)], block_bytes, data.device)
+            out = torch.empty(tasks.shape[0], dtype=torch.int64, device=data.device)
+            kernels.launch(tasks, out, copy=False)
+            return out
     weights = _weights(data.device, block_bytes // 8 + 8)
     full = n // block_bytes
     parts = []
     if full:
-        per_chunk = max(1, _CHUNK_BYTES // block_bytes)
         body = _words(data[: full * block_bytes]).view(full, block_bytes // 8)
         w = weights[: block_bytes // 8]
-        for start in range(0, full, per_chunk):
-            parts.append((body[start : start + per_chunk] * w).sum(dim=1))
+        if data.device.type == "cpu":
+            parts.append(torch.mv(body, w))
+        else:  # no Triton: one multiply and one row-sum per chunk of blocks
+            per_chunk = max(1, _CHUNK_BYTES // block_bytes)
+            for start in range(0, full, per_chunk):
+                parts.append((body[start : start + per_chunk] * w).sum(dim=1))
     if n > full * block_bytes:
         parts.append(_one_block(data[full * block_bytes :], weights))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -164,30 +184,89 @@ def _flat_bytes(tensor: "torch.Tensor") -> "torch.Tensor":
 def source_checksums(tensors: Sequence["torch.Tensor"], block_bytes: int) -> BlockChecksums:
     """The checksums a publisher attaches to its source: every block of every tensor, computed
     on the tensors' devices; one host transfer of the sums per device at the end."""
+    return start_source_checksums(tensors, block_bytes).result()
+
+
+class PendingSums:
+    """Source checksums under way on the tensors' devices (:func:`start_source_checksums`):
+    :meth:`result` waits for them and brings the sums to the host (one transfer per launch)."""
+
+    def __init__(self, block_bytes: int, parts: "list[Any]", events: "list[Any]") -> None:
+        self.block_bytes = block_bytes
+        # In the tensors' order: a tensor of sums, or (launch output, first slot, count).
+        self._parts = parts
+        self._events = events
+
+    def result(self) -> BlockChecksums:
+        for event in self._events:
+            event.synchronize()
+        host: dict[int, list[int]] = {}
+        flat: list[int] = []
+        for part in self._parts:
+            if isinstance(part, tuple):
+                out, first, count = part
+                values = host.get(id(out))
+                if values is None:
+                    values = host[id(out)] = out.cpu().tolist()
+                flat.extend(values[first : first + count])
+            else:
+                flat.extend(part.cpu().tolist())
+        return BlockChecksums(self.block_bytes, tuple(flat))
+
+
+def start_source_checksums(tensors: Sequence["torch.Tensor"], block_bytes: int) -> PendingSums:
+    """Start the source checksums and return at once: on a GPU the kernel runs on a side stream
+    (ordered after the work queued so far on the current stream, i.e. after the writes of the
+    weights) while the publisher describes and registers; :meth:`PendingSums.result` collects
+    them. All the aligned CUDA tensors of one device are summed in one kernel launch."""
     import torch
 
     check_block_bytes(block_bytes, "checksum_block_bytes")
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    order: list[tuple[torch.device, int]] = []
+    from mx_refit import checksum_kernels as kernels
+
+    parts: list[Any] = []
+    # device -> (src, dst, nbytes, first slot) per tensor, and where each goes in parts
+    spans: dict[torch.device, list[tuple[int, int, int, int]]] = {}
+    places: dict[torch.device, list[int]] = {}
+    slots: dict[torch.device, int] = {}
     for tensor in tensors:
         if not tensor.numel():
             continue
-        sums = span_sums(_flat_bytes(tensor), block_bytes)
-        parts = by_device.setdefault(tensor.device, [])
-        order.append((tensor.device, len(parts)))
-        parts.append(sums)
-    host: dict[torch.device, list[list[int]]] = {}
-    for device, parts in by_device.items():  # one device -> host transfer per device
-        values = torch.cat(parts).tolist()
-        cuts, cursor = [], 0
-        for part in parts:
-            cuts.append(values[cursor : cursor + part.numel()])
-            cursor += part.numel()
-        host[device] = cuts
-    flat: list[int] = []
-    for device, index in order:
-        flat.extend(host[device][index])
-    return BlockChecksums(block_bytes, tuple(flat))
+        flat = _flat_bytes(tensor)
+        if tensor.is_cuda and flat.data_ptr() % 8 == 0 and kernels.available(flat):
+            slot = slots.get(tensor.device, 0)
+            spans.setdefault(tensor.device, []).append((flat.data_ptr(), 0, flat.numel(), slot))
+            places.setdefault(tensor.device, []).append(len(parts))
+            slots[tensor.device] = slot + block_count(flat.numel(), block_bytes)
+            parts.append(None)  # filled in below
+        else:
+            parts.append(span_sums(flat, block_bytes))
+    events: list[Any] = []
+    for device, device_spans in spans.items():
+        tasks = kernels.device_tasks(device_spans, block_bytes, device)
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            out = torch.empty(tasks.shape[0], dtype=torch.int64, device=device)
+            kernels.launch(tasks, out, copy=False)
+            done = torch.cuda.Event()
+            done.record(side)
+        events.append(done)
+        for index, (_, _, nbytes, slot) in zip(places[device], device_spans):
+            parts[index] = (out, slot, block_count(nbytes, block_bytes))
+    return PendingSums(block_bytes, parts, events)
+
+
+_SIDE_STREAMS: dict[str, Any] = {}
+
+
+def _side_stream(device: "torch.device") -> Any:
+    import torch
+
+    stream = _SIDE_STREAMS.get(str(device))
+    if stream is None:
+        stream = _SIDE_STREAMS[str(device)] = torch.cuda.Stream(device=device)
+    return stream
 
 
 # --- receiving: widen the reads, verify the blocks ---------------------------------------------
@@ -221,6 +300,34 @@ class Verification:
     runs: list[_Run]
     copies: list[tuple[int, int, int]]
     staged_bytes: int
+
+    def blocks(self) -> "tuple[np.ndarray, np.ndarray]":
+        """Every verified block's arena offset and length (int64 arrays) in block order: the
+        runs' order (by arena offset), each run's blocks in turn. Made once per widening."""
+        kept = self.__dict__.get("_blocks")
+        if kept is None:
+            import numpy as np
+
+            offsets, lengths = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+            for run in self.runs:
+                block = self.block_bytes[run.source_id]
+                rel = np.arange(block_count(run.nbytes, block), dtype=np.int64) * block
+                offsets.append(run.arena_offset + rel)
+                lengths.append(np.minimum(block, run.nbytes - rel))
+            kept = self.__dict__["_blocks"] = (np.concatenate(offsets), np.concatenate(lengths))
+        return kept  # type: ignore[no-any-return]
+
+
+@dataclass
+class KnownSums:
+    """Block sums taken while the bytes came in (every block, in :meth:`Verification.blocks`
+    order; ``covered`` marks those present): what :func:`verify` takes from a pull that summed
+    as it went (:mod:`mx_refit.receive.overlap`); a fused copy has the same shape."""
+
+    sums: "torch.Tensor"
+    covered: "np.ndarray"
+    launches: int = 1
+    batches: int = 0
 
 
 def _align(n: int, to: int = 256) -> int:
@@ -352,39 +459,96 @@ def _merge_runs(runs: list[_Run], block_sizes: dict[str, int]) -> list[_Run]:
     return merged
 
 
-def verify(arena: "torch.Tensor", verification: Verification, sources: dict[str, SourceInfo]) -> int:
+def verify(
+    arena: "torch.Tensor", verification: Verification, sources: dict[str, SourceInfo],
+    fused: "CopySums | KnownSums | None" = None,
+) -> int:
     """Check every pulled block against its source's published checksum, then copy the staged
     bytes into the plan's places. Returns the number of blocks verified.
+
+    ``fused``: sums taken during the pull: by the copy itself
+    (:class:`~mx_refit.checksum_kernels.CopySums`, valid for exactly one read of these requests
+    into ``arena``) or batch by batch (:class:`~mx_refit.receive.overlap.KnownSums`); blocks
+    not ``covered`` are summed here, in one kernel launch on a GPU.
 
     :raises ChecksumMismatch: naming the first bad block's tensor, block, byte range and source
         (and how many blocks mismatched); the plan's places are left as pulled.
     """
-    import torch
-
-    computed = [span_sums(arena[r.arena_offset : r.arena_offset + r.nbytes], verification.block_bytes[r.source_id])
-                for r in verification.runs]
-    got = torch.cat(computed).tolist() if computed else []  # one device -> host transfer of sums
+    got = _block_sums(arena, verification, fused).cpu().numpy().tolist()  # one transfer of sums
     bad: list[tuple[_Run, int, int, int]] = []
     cursor = 0
     for run in verification.runs:
         published = sources[run.source_id].checksums
         assert published is not None  # widen() refused sources without checksums
         blocks = block_count(run.nbytes, verification.block_bytes[run.source_id])
-        for j in range(blocks):
-            want = published.sums[run.first_sum + j]
-            if got[cursor + j] != want:
-                bad.append((run, j, want, got[cursor + j]))
+        want = published.sums[run.first_sum : run.first_sum + blocks]
+        if tuple(got[cursor : cursor + blocks]) != want:  # compared in C; the loop only on a mismatch
+            bad.extend((run, j, want[j], got[cursor + j]) for j in range(blocks) if got[cursor + j] != want[j])
         cursor += blocks
     if bad:
-        run, j, want, have = bad[0]
+        run, j, want_j, have = bad[0]
         block = verification.block_bytes[run.source_id]
         k = run.first_block + j
         raise ChecksumMismatch(
             f"checksum mismatch in tensor {run.tensor!r} from source {run.source_id!r}: block {k} "
             f"(bytes [{k * block}, {k * block + min(block, run.nbytes - j * block)})) published "
-            f"{want}, received {have}; {len(bad)} of {cursor} pulled blocks differ; nothing was loaded",
+            f"{want_j}, received {have}; {len(bad)} of {cursor} pulled blocks differ; nothing was loaded",
             source_id=run.source_id, tensor=run.tensor, block=k,
         )
     for staged, place, nbytes in verification.copies:
         arena[place : place + nbytes].copy_(arena[staged : staged + nbytes])
     return cursor
+
+
+def _block_sums(
+    arena: "torch.Tensor", verification: Verification, fused: "CopySums | KnownSums | None",
+) -> "torch.Tensor":
+    """Every verified block's checksum in block order (:meth:`Verification.blocks`): the fused
+    copy's where it covered the block, the rest computed from the arena now."""
+    import numpy as np
+    import torch
+
+    from mx_refit import checksum_kernels as kernels
+
+    usable = fused is not None and fused.launches == 1  # one read: the sums match the bytes
+    if usable and bool(fused.covered.all()):  # type: ignore[union-attr]
+        return fused.sums  # type: ignore[union-attr]
+    if not kernels.available(arena):
+        parts = [span_sums(arena[r.arena_offset : r.arena_offset + r.nbytes], verification.block_bytes[r.source_id])
+                 for r in verification.runs]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    offsets, lengths = verification.blocks()
+    if usable:
+        assert fused is not None
+        out = fused.sums
+        tasks, rows = _verify_tasks(arena, offsets, lengths, np.flatnonzero(~fused.covered))
+    else:
+        out = torch.empty(len(offsets), dtype=torch.int64, device=arena.device)
+        kept = verification.__dict__.get("_tasks")
+        if kept is None or kept[0] != arena.data_ptr():  # kept for the next refit of this plan
+            kept = verification.__dict__["_tasks"] = (arena.data_ptr(), *_verify_tasks(arena, offsets, lengths, None))
+        tasks, rows = kept[1], kept[2]
+    kernels.launch(tasks, out, copy=False)
+    for slot in rows:  # unaligned blocks (rare): torch's path
+        data = arena[offsets[slot] : offsets[slot] + lengths[slot]]
+        out[slot : slot + 1] = _one_block(data, _weights(arena.device, data.numel() // 8 + 8))
+    return out
+
+
+def _verify_tasks(
+    arena: "torch.Tensor", offsets: "np.ndarray", lengths: "np.ndarray", only: "np.ndarray | None"
+) -> "tuple[torch.Tensor, list[int]]":
+    """The sum-only kernel's tasks for the arena's blocks (all, or ``only`` those), and the
+    slots of the unaligned ones it cannot take."""
+    import numpy as np
+    import torch
+
+    from mx_refit import checksum_kernels as kernels
+
+    rows = np.stack([arena.data_ptr() + offsets, np.zeros_like(offsets), lengths,
+                     np.arange(len(offsets), dtype=np.int64)], axis=1)
+    if only is not None:
+        rows = rows[only]
+    ok = kernels.aligned(rows)
+    tasks = torch.from_numpy(np.ascontiguousarray(rows[ok])).to(arena.device)
+    return tasks, rows[~ok][:, 3].tolist()

@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from mx_refit.catalog.api import Catalog
-    from mx_refit.checksums import Verification
+    from mx_refit.checksum_kernels import CopySums
+    from mx_refit.checksums import KnownSums, Verification
     from mx_refit.plan import ReceivePlan
     from mx_refit.plugins import Hooks
     from mx_refit.receive.failover import FailoverPull
@@ -102,6 +103,8 @@ class RefitCycle:
         self._plans = PlanCache()
         self._delta = DeltaState(options.delta_check_arena)
         self.delta_refused = ""  # why the last refit was not a delta refit (delta "auto")
+        self._copy_sums: "CopySums | None" = None  # the fused copy's hook, per widening
+        self._armed: Any = None  # the CUDA IPC transport holding it during a pull
         self._order = lease_order(client, options, renewer, self.prime)
 
     def run(
@@ -182,13 +185,36 @@ class RefitCycle:
             self.replica.withdraw()  # nobody reads the arena any more before it is written
         return self._order.lease(self.client, info, requests, held)
 
-    def pull(self, leased: "Leased", arena: "torch.Tensor") -> "FailoverPull":
-        """Every planned byte into ``arena`` from the chosen holders; a holder that fails
-        mid-pull has its ranges read from another, or the pull fails naming it and the ranges
-        (:mod:`mx_refit.receive.failover`)."""
+    def _pull_summing(
+        self, leased: "Leased", arena: "torch.Tensor", widening: "Verification | None",
+    ) -> "tuple[FailoverPull, CopySums | KnownSums | None]":
+        """The pull, and with checksums the block sums taken as the bytes came in: by the CUDA
+        IPC copy itself (valid after one read with no failover), or, for a DRAM arena, batch by
+        batch on a worker while the next batch transfers (:mod:`mx_refit.receive.overlap`)."""
+        if (widening is not None and arena.device.type == "cpu" and len(widening.blocks()[0])
+                and leased.requests == widening.requests):  # read from the trainers, not translated to replicas
+            from concurrent.futures import ThreadPoolExecutor
+
+            from mx_refit.receive.overlap import pull_and_sum
+
+            with ThreadPoolExecutor(1, thread_name_prefix="mx-refit-checksum") as worker:
+                pulls, known = pull_and_sum(widening, arena, lambda batch: self.pull(leased, arena, batch), worker)
+            return _merged(pulls), known
+        fused = self._arm_copy_sums(widening, arena)
+        try:
+            pulled = self.pull(leased, arena)
+        finally:
+            self._disarm_copy_sums()
+        return pulled, None if pulled.failed_over else fused
+
+    def pull(self, leased: "Leased", arena: "torch.Tensor", requests: "Requests | None" = None) -> "FailoverPull":
+        """Every planned byte (or those of ``requests``, a batch of them) into ``arena`` from
+        the chosen holders; a holder that fails mid-pull has its ranges read from another, or
+        the pull fails naming it and the ranges (:mod:`mx_refit.receive.failover`)."""
         from mx_refit.receive.failover import pull_with_failover
 
-        info, lease, requests = leased.info, leased.lease, leased.requests
+        info, lease = leased.info, leased.lease
+        requests = leased.requests if requests is None else requests
         lease.watch_sources({*leased.sources, *(s.source_id for s in info.sources)})  # every holder failover may read
         pulled = pull_with_failover(
             self.transport, info, leased.sources, requests, arena, timeout_s=self.options.transfer_timeout_s,
@@ -202,15 +228,19 @@ class RefitCycle:
             raise TransferError(f"pulled {moved} bytes but the plan needs {expected}")
         return pulled
 
-    def verify(self, leased: "Leased", arena: "torch.Tensor", widening: "Verification | None") -> int:
+    def verify(
+        self, leased: "Leased", arena: "torch.Tensor", widening: "Verification | None",
+        fused: "CopySums | KnownSums | None" = None,
+    ) -> int:
         """Every pulled block against its checksum, still under the lease: a reader whose bytes
         fail is not a completed read (``wait_read`` keeps waiting for it), and the publisher's
-        buffers are still there for a retry of the same version. Returns the blocks verified."""
+        buffers are still there for a retry of the same version. ``fused``: the sums taken
+        during the pull (:meth:`_pull_summing`). Returns the blocks verified."""
         if widening is None:
             return 0
         from mx_refit.checksums import verify
 
-        return verify(arena, widening, {s.source_id: s for s in leased.info.sources})
+        return verify(arena, widening, {s.source_id: s for s in leased.info.sources}, fused)
 
     def _delta_plan(self, info: VersionInfo, plan: "ReceivePlan") -> DeltaPull | None:
         """The delta refit's reads when the arena provably holds the delta's base, else None
@@ -248,9 +278,9 @@ class RefitCycle:
                             self.options.model, leased.info.version, exc)
                 self.delta_refused = f"the delta failed verification: {exc}"
         with watch("pull"):
-            pulled_by = self.pull(leased, arena)
+            pulled_by, sums = self._pull_summing(leased, arena, widening)
         with watch("verify"):
-            blocks = self.verify(leased, arena, widening)
+            blocks = self.verify(leased, arena, widening, sums)
         return pulled_by, blocks, None
 
     def release(self, leased: "Leased") -> str:
@@ -269,6 +299,32 @@ class RefitCycle:
                 self.hooks.load_weights(self.engine, batch)
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _arm_copy_sums(self, widening: "Verification | None", arena: "torch.Tensor") -> "CopySums | None":
+        """With checksums on a GPU arena: the CUDA IPC copy checksums the blocks it copies (each
+        byte read once, :class:`~mx_refit.checksum_kernels.CopySums`); kept per widening."""
+        ipc = getattr(self.transport, "ipc", None)
+        if widening is None or ipc is None or arena.device.type != "cuda":
+            return None
+        from mx_refit import checksum_kernels as kernels
+
+        if not kernels.available(arena):
+            return None
+        hook = self._copy_sums
+        if hook is None or hook.widening is not widening:
+            import torch
+
+            hook = self._copy_sums = kernels.CopySums(widening.blocks(), torch.empty(
+                len(widening.blocks()[0]), dtype=torch.int64, device=arena.device))
+            hook.widening = widening
+        hook.launches = 0
+        self._armed = ipc()
+        self._armed.copy_hook = hook
+        return hook
+
+    def _disarm_copy_sums(self) -> None:
+        if self._armed is not None:
+            self._armed.copy_hook, self._armed = None, None
+
     def prime(self) -> None:
         """Ready the transport's next read into the arena (run while the catalog answers)."""
         prime = getattr(self.transport, "prime", None)
@@ -324,3 +380,21 @@ class RefitCycle:
             compile_target=self._plans.compile_target,
         )
 
+
+
+def _merged(pulls: "list[FailoverPull]") -> "FailoverPull":
+    """The batches' pulls as one (bytes, descriptors and handles added up; paths and failovers
+    joined)."""
+    from mx_refit.receive.failover import FailoverPull
+    from mx_refit.transport.base import ReadReport
+
+    nbytes: dict[str, int] = {}
+    paths: dict[str, str] = {}
+    for p in pulls:
+        for sid, n in p.report.nbytes.items():
+            nbytes[sid] = nbytes.get(sid, 0) + n
+        paths.update(p.report.paths)
+    report = ReadReport(nbytes, paths, sum(p.report.descriptors for p in pulls),
+                        sum(p.report.handles_opened for p in pulls))
+    failed = tuple(dict.fromkeys(s for p in pulls for s in p.failed_over))
+    return FailoverPull(report, failed, sum(p.bytes_reread for p in pulls))

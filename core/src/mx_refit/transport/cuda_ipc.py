@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import InvalidArgument, TransferError
@@ -192,6 +192,8 @@ class _Program:
     groups: list[list[tuple[int, int, int]]]
     nbytes: dict[str, int]
     batch: Any = None  # a mx_refit.copies.BatchedCopy doing every copy, or None (the groups do)
+    # every copy as one group (the same list every steady read), for a copy_hook
+    flat: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
     def serves(self, sources: "Mapping[str, SourceInfo]", requests: "Mapping[str, Any]", arena: Any) -> bool:
         if len(requests) != len(self.requests) or arena.data_ptr() != self.arena_ptr:
@@ -333,6 +335,9 @@ class CudaIpcTransport:
         # (thread, arena address) of a prime() whose stream setup the next read still owes
         self._primed: tuple[int, int] | None = None
         self._closed = False
+        # Set by a verifying receiver for the span of one pull: launches the fused copy and
+        # checksum of whole blocks, returns the copies left (mx_refit.checksum_kernels.CopySums).
+        self.copy_hook: Any = None
 
     @property
     def handles_opened(self) -> int:
@@ -454,6 +459,11 @@ class CudaIpcTransport:
             lanes.ready.record(torch.cuda.current_stream(dev))
             lanes.streams[0].wait_event(lanes.ready)
         lanes.begin.record(lanes.streams[0])  # here, not in prime(): the copies' own time
+        hook = self.copy_hook
+        if hook is not None:  # copies that also checksum what they copy (each byte read once) go first
+            with torch.cuda.stream(lanes.streams[0]):
+                groups = hook.launch(groups if batch is None else program.flat, arena)
+            batch = None  # the hook's kernel and the plain copies it left do every copy
         if batch is not None:
             with torch.cuda.stream(lanes.streams[0]):
                 batch.launch()
@@ -530,11 +540,12 @@ class CudaIpcTransport:
             lanes = self._lanes[dev] = _Lanes(dev, self.max_streams)
         from mx_refit.copies import batched_ranges
 
-        batch = batched_ranges([c for part in parts for c in part], arena, KERNEL_MIN_COPIES)
+        flat = [c for part in parts for c in part]
+        batch = batched_ranges(flat, arena, KERNEL_MIN_COPIES)
         groups = [] if batch is not None else self._spread(parts, len(lanes.streams))
         exports = {sid: sources[sid].cuda_ipc for sid in requests}
         self._program = _Program(dict(requests), exports, arena.data_ptr(), lanes, groups, nbytes,  # type: ignore[arg-type]
-                                 batch)
+                                 batch, [flat])
         return self._program
 
     def _spread(self, parts: list[list[_Copy]], streams: int) -> list[list[_Copy]]:
