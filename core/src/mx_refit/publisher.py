@@ -317,17 +317,18 @@ class Publisher:
             compat = self._fp8.compat()
         descriptors = tuple(describe(t) for t in tensors)
         buffers = [t.tensor for t in tensors]
+        pending = None
+        if self.checksums:  # on the tensors' devices (a GPU's side stream) while we register
+            from mx_refit.checksums import start_source_checksums
+
+            pending = start_source_checksums(buffers, self.checksum_block_bytes)
         records = [self._delta.buffer_for(buffers)] if self._delta is not None else []  # a region of its own
         self.transport.register_many(buffers + records)
         if not self._owns_transport:
             self._published = buffers + records
         regions = sorted({self.transport.region_of(t) for t in buffers + records if t.numel()})
         agent_name, metadata, cuda_ipc = self.transport.describe(regions)
-        checksums = None
-        if self.checksums:  # on the tensors' own devices; only the sums reach the host
-            from mx_refit.checksums import source_checksums
-
-            checksums = source_checksums([t.tensor for t in tensors], self.checksum_block_bytes)
+        checksums = pending.result() if pending is not None else None  # only the sums reach the host
         delta = self._delta.publish(version, buffers, checksums) if self._delta is not None else None
         source = SourceInfo(
             source_id=self.source_id,

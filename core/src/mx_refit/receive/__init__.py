@@ -9,6 +9,7 @@
 - ``fanout``: tree fan-out, pure: which holder serves which bytes.
 - ``replica``: a receiver's arena offered as a replica source.
 - ``failover``: a source failing mid-pull has its ranges read from another holder.
+- ``overlap``: with checksums, a DRAM arena summed batch by batch while the next batch transfers.
 
 Users import :class:`~mx_refit.Receiver` and :class:`~mx_refit.RefitResult` from ``mx_refit``.
 """
