@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-__all__ = ["CopySums", "aligned", "available", "block_tasks", "device_tasks", "launch"]
+__all__ = ["CopySums", "aligned", "arena_tasks", "available", "block_tasks", "device_tasks", "launch"]
 
 _CHUNK_WORDS = 1024  # words one program reads per step (8 KiB)
 _COLS = 4  # src, dst, nbytes, slot
@@ -104,6 +104,23 @@ def device_tasks(spans: Sequence[tuple[int, int, int, int]], block: int, device:
 def aligned(tasks: "np.ndarray") -> "np.ndarray":
     """Which task rows the kernel can take (8-byte aligned source and destination)."""
     return ((tasks[:, 0] % 8) == 0) & ((tasks[:, 1] % 8) == 0)
+
+
+def arena_tasks(
+    arena: "torch.Tensor", offsets: "np.ndarray", lengths: "np.ndarray", only: "np.ndarray | None"
+) -> "tuple[torch.Tensor, list[int]]":
+    """The sum-only tasks for blocks of ``arena`` at ``offsets`` (slot = index; all of them, or
+    ``only`` those), on the arena's device, and the slots of the unaligned ones it cannot take."""
+    import numpy as np
+    import torch
+
+    rows = np.stack([arena.data_ptr() + offsets, np.zeros_like(offsets), lengths,
+                     np.arange(len(offsets), dtype=np.int64)], axis=1)
+    if only is not None:
+        rows = rows[only]
+    ok = aligned(rows)
+    tasks = torch.from_numpy(np.ascontiguousarray(rows[ok])).to(arena.device)
+    return tasks, rows[~ok][:, 3].tolist()
 
 
 def launch(tasks: "torch.Tensor", out: "torch.Tensor", *, copy: bool) -> None:

@@ -570,34 +570,15 @@ def _block_sums(
     if usable:
         assert fused is not None
         out = fused.sums
-        tasks, rows = _verify_tasks(arena, offsets, lengths, np.flatnonzero(~fused.covered))
+        tasks, rows = kernels.arena_tasks(arena, offsets, lengths, np.flatnonzero(~fused.covered))
     else:
         out = torch.empty(len(offsets), dtype=torch.int64, device=arena.device)
         kept = verification.__dict__.get("_tasks")
         if kept is None or kept[0] != arena.data_ptr():  # kept for the next refit of this plan
-            kept = verification.__dict__["_tasks"] = (arena.data_ptr(), *_verify_tasks(arena, offsets, lengths, None))
+            kept = verification.__dict__["_tasks"] = (arena.data_ptr(), *kernels.arena_tasks(arena, offsets, lengths, None))
         tasks, rows = kept[1], kept[2]
     kernels.launch(tasks, out, copy=False)
     for slot in rows:  # unaligned blocks (rare): torch's path
         data = arena[offsets[slot] : offsets[slot] + lengths[slot]]
         out[slot : slot + 1] = _one_block(data, _weights(arena.device, data.numel() // 8 + 8))
     return out
-
-
-def _verify_tasks(
-    arena: "torch.Tensor", offsets: "np.ndarray", lengths: "np.ndarray", only: "np.ndarray | None"
-) -> "tuple[torch.Tensor, list[int]]":
-    """The sum-only kernel's tasks for the arena's blocks (all, or ``only`` those), and the
-    slots of the unaligned ones it cannot take."""
-    import numpy as np
-    import torch
-
-    from mx_refit import checksum_kernels as kernels
-
-    rows = np.stack([arena.data_ptr() + offsets, np.zeros_like(offsets), lengths,
-                     np.arange(len(offsets), dtype=np.int64)], axis=1)
-    if only is not None:
-        rows = rows[only]
-    ok = kernels.aligned(rows)
-    tasks = torch.from_numpy(np.ascontiguousarray(rows[ok])).to(arena.device)
-    return tasks, rows[~ok][:, 3].tolist()
