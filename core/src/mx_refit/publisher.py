@@ -15,6 +15,7 @@ from mx_refit._backoff import Backoff
 from mx_refit._heartbeat import Heartbeat
 from mx_refit.catalog.epoch import PublisherEpochs
 from mx_refit.checks import AUTO, check_count, check_flag, check_seconds
+from mx_refit.checksums import start_source_checksums
 from mx_refit.config import DEFAULT_CHECKSUM_BLOCK_BYTES, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LEASE_TTL_S, DEFAULT_SOURCE_TTL_S
 from mx_refit.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from mx_refit.types import BlockChecksums, MemType, MeshPosition, PublishedTensor, SourceInfo, TensorDescriptor, VersionState
@@ -317,11 +318,8 @@ class Publisher:
             compat = self._fp8.compat()
         descriptors = tuple(describe(t) for t in tensors)
         buffers = [t.tensor for t in tensors]
-        pending = None
-        if self.checksums:  # on the tensors' devices (a GPU's side stream) while we register
-            from mx_refit.checksums import start_source_checksums
-
-            pending = start_source_checksums(buffers, self.checksum_block_bytes)
+        # The source sums start on the tensors' devices (a GPU's side stream) while we register.
+        pending = start_source_checksums(buffers, self.checksum_block_bytes) if self.checksums else None
         records = [self._delta.buffer_for(buffers)] if self._delta is not None else []  # a region of its own
         self.transport.register_many(buffers + records)
         if not self._owns_transport:
