@@ -151,15 +151,22 @@ class CopySums:
         self.widening: Any = None  # what the receiver made it for
         self._program: tuple[Any, int, Any, list[list[tuple[int, int, int]]], Any] | None = None
 
-    def launch(self, groups: list[list[tuple[int, int, int]]], arena: "torch.Tensor") -> list[list[tuple[int, int, int]]]:
-        """Launch the fused copy of what it can take on the current stream; return the copies
-        left for the plain device copy (same grouping)."""
+    def launch(
+        self, groups: list[list[tuple[int, int, int]]], arena: "torch.Tensor", stream: Any = None,
+    ) -> list[list[tuple[int, int, int]]]:
+        """Launch the fused copy of what it can take on ``stream`` (default: the current one);
+        return the copies left for the plain device copy (same grouping)."""
+        import contextlib
+
+        import torch
+
         program = self._program
         if program is None or program[0] is not groups or program[1] != arena.data_ptr():
             program = self._program = self._build(groups, arena)
         _, _, tasks, rest, covered = program
         self.covered = covered
-        launch(tasks, self.sums, copy=True)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            launch(tasks, self.sums, copy=True)
         self.launches += 1
         return rest
 

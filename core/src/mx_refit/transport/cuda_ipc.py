@@ -3,22 +3,18 @@
 Why it exists: for a same-GPU peer UCX moved bytes over ``tcp/lo`` at 0.4-0.5 GB/s on one H200
 (issue 10), where a device copy runs at about 2 TB/s.
 
-Source side (:meth:`CudaIpcTransport.export`): one ``cudaIpcMemHandle_t`` per registered CUDA
-region, taken on the *allocation* that holds the region (``cuMemGetAddressRange``), plus the
-region's offset inside it. Exports are cached per region, so republishing the same buffers costs
-nothing. Allocations made with ``expandable_segments`` (cuMemMap) have no IPC handle: such a
-source exports nothing and readers fall back to NIXL.
+Source side (:meth:`CudaIpcTransport.export`): one ``cudaIpcMemHandle_t`` per registered CUDA region, taken on the
+*allocation* that holds the region (``cuMemGetAddressRange``), plus the region's offset inside it. Exports are cached
+per region, so republishing the same buffers costs nothing. Allocations made with ``expandable_segments`` (cuMemMap)
+have no IPC handle: such a source exports nothing and readers fall back to NIXL.
 
-Reader side (:meth:`CudaIpcTransport.read`): each handle is opened once and cached per (source,
-region) in a :class:`HandleCache`; a changed handle (the trainer reallocated after a drain) is
-reopened, a source that expired or a closing transport closes its handles. The coalesced ranges
-become one batched copy kernel over a device-resident range table (:mod:`mx_refit.copies`) when
-there are :data:`KERNEL_MIN_COPIES` or more of them, else ``cuMemcpyAsync`` calls spread over a
-device's dedicated streams; either way waited on once. A source in this very process is read
-from its own addresses (CUDA cannot open a process's own handle).
+Reader side (:meth:`CudaIpcTransport.read`): each handle is opened once and cached per (source, region) in a
+:class:`HandleCache`; a changed handle (reallocated after a drain) is reopened; an expired source or a closing transport closes
+its handles. The coalesced ranges become one batched copy kernel (:mod:`mx_refit.copies`) from :data:`KERNEL_MIN_COPIES` of them
+on, else ``cuMemcpyAsync`` calls over a device's dedicated streams, or a verifying receiver's ``copy_hook`` kernel; waited on
+once. A source in this process is read from its own addresses (CUDA cannot open its own handle).
 
-Only the CUDA driver library (``libcuda.so.1``, through ctypes) and torch (streams, device
-UUIDs) are used.
+Only the CUDA driver library (``libcuda.so.1``, through ctypes) and torch (streams, device UUIDs) are used.
 """
 
 from __future__ import annotations
@@ -192,8 +188,7 @@ class _Program:
     groups: list[list[tuple[int, int, int]]]
     nbytes: dict[str, int]
     batch: Any = None  # a mx_refit.copies.BatchedCopy doing every copy, or None (the groups do)
-    # every copy as one group (the same list every steady read), for a copy_hook
-    flat: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    flat: list[list[tuple[int, int, int]]] = field(default_factory=list)  # every copy, one group: for copy_hook
 
     def serves(self, sources: "Mapping[str, SourceInfo]", requests: "Mapping[str, Any]", arena: Any) -> bool:
         if len(requests) != len(self.requests) or arena.data_ptr() != self.arena_ptr:
@@ -335,9 +330,7 @@ class CudaIpcTransport:
         # (thread, arena address) of a prime() whose stream setup the next read still owes
         self._primed: tuple[int, int] | None = None
         self._closed = False
-        # Set by a verifying receiver for the span of one pull: launches the fused copy and
-        # checksum of whole blocks, returns the copies left (mx_refit.checksum_kernels.CopySums).
-        self.copy_hook: Any = None
+        self.copy_hook: Any = None  # set for one pull by a verifying receiver (mx_refit.checksum_kernels.CopySums)
 
     @property
     def handles_opened(self) -> int:
@@ -459,11 +452,8 @@ class CudaIpcTransport:
             lanes.ready.record(torch.cuda.current_stream(dev))
             lanes.streams[0].wait_event(lanes.ready)
         lanes.begin.record(lanes.streams[0])  # here, not in prime(): the copies' own time
-        hook = self.copy_hook
-        if hook is not None:  # copies that also checksum what they copy (each byte read once) go first
-            with torch.cuda.stream(lanes.streams[0]):
-                groups = hook.launch(groups if batch is None else program.flat, arena)
-            batch = None  # the hook's kernel and the plain copies it left do every copy
+        if self.copy_hook is not None:  # copies that also checksum (each byte read once) replace the batch
+            groups, batch = self.copy_hook.launch(groups if batch is None else program.flat, arena, lanes.streams[0]), None
         if batch is not None:
             with torch.cuda.stream(lanes.streams[0]):
                 batch.launch()
@@ -540,8 +530,7 @@ class CudaIpcTransport:
             lanes = self._lanes[dev] = _Lanes(dev, self.max_streams)
         from mx_refit.copies import batched_ranges
 
-        flat = [c for part in parts for c in part]
-        batch = batched_ranges(flat, arena, KERNEL_MIN_COPIES)
+        batch = batched_ranges(flat := [c for part in parts for c in part], arena, KERNEL_MIN_COPIES)
         groups = [] if batch is not None else self._spread(parts, len(lanes.streams))
         exports = {sid: sources[sid].cuda_ipc for sid in requests}
         self._program = _Program(dict(requests), exports, arena.data_ptr(), lanes, groups, nbytes,  # type: ignore[arg-type]
