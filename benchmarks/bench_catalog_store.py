@@ -12,7 +12,9 @@ One in-process ``CatalogService`` per store (the Redis one on a real ``redis-ser
 * ``restart load`` (Redis only): a new catalog process's first call, which loads the state.
 
 With ``--live-leases 0,1000,10000``: a lease renewal (one reader's heartbeat) and a lease +
-release, while that many other leases are live (on a small model; taken in one store call).
+release, while that many other leases are live (on a small model; taken in one store call), and
+a lease + release by two catalog processes' stores on one Redis taking turns (each call comes
+after the other store's commits).
 
     python benchmarks/bench_catalog_store.py                  # 7,281 descriptors, 8 sources
     python benchmarks/bench_catalog_store.py --live-leases 0,1000,10000
@@ -122,6 +124,33 @@ def lease_scaling(service: CatalogService, counts: list[int], repeat: int) -> di
     return out
 
 
+def alternation(url: str, counts: list[int], repeat: int) -> dict[str, float]:
+    """Two catalog processes' stores on one Redis taking turns: per count of live leases, a lease +
+    release on one, then on the other (each call finds the other's commits since its own)."""
+    first = CatalogService(store=RedisStore(url, namespace="alt:"))
+    second = CatalogService(store=RedisStore(url, namespace="alt:"))
+    first.register_source("leases", 1, 1, make_source(0, 4, 1), ttl_s=3600)
+    held = 0
+    out: dict[str, float] = {}
+    for count in sorted(counts):
+        def take(now: float, start: int = held, stop: int = count) -> None:
+            rec = first._record_locked("leases", 1)
+            for i in range(start, stop):
+                first._lease_locked(rec, f"bg{i}", 3600.0, f"bg{i}", now, (), 0)
+
+        first._txn(take)
+        held = count
+
+        def lease_and_release(turn: list[CatalogService] = [first, second]) -> None:  # noqa: B006
+            turn.reverse()
+            turn[0].release_lease(turn[0].acquire_lease("leases", 1, "r", ttl_s=60))
+
+        out[str(count)] = median_ms(lease_and_release, repeat)
+    first.store.close()
+    second.store.close()
+    return out
+
+
 def leases_main(counts: list[int], repeat: int, out: Path | None) -> None:
     results: dict[str, Any] = {"live_leases": counts, "python": platform.python_version()}
     results["memory"] = lease_scaling(CatalogService(), counts, repeat)
@@ -131,13 +160,15 @@ def leases_main(counts: list[int], repeat: int, out: Path | None) -> None:
             store = RedisStore(redis.url, namespace="bench:")
             results["redis"] = lease_scaling(CatalogService(store=store), counts, repeat)
             store.close()
+            results["redis two processes"] = alternation(redis.url, counts, repeat)
         finally:
             redis.stop()
-    print(f"{'live leases':>12}{'store':>8}{'renewal ms':>12}{'lease+release ms':>18}")
+    print(f"{'live leases':>12}{'store':>8}{'renewal ms':>12}{'lease+release ms':>18}{'2 procs alternating':>21}")
     for count in counts:
         for kind in ("memory", "redis"):
             row = results[kind][str(count)]
-            print(f"{count:>12}{kind:>8}{row['renewal']:>12.2f}{row['lease + release']:>18.2f}")
+            alt = f"{results['redis two processes'][str(count)]:.2f}" if kind == "redis" else "-"
+            print(f"{count:>12}{kind:>8}{row['renewal']:>12.2f}{row['lease + release']:>18.2f}{alt:>21}")
     if out:
         out.write_text(json.dumps(results, indent=2) + "\n")
 

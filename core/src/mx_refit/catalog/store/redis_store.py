@@ -14,12 +14,13 @@ Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
   Redis makes a new one, and so does a document that vanished after a commit), and a random
   token that every commit replaces (``new`` before the first).
 
-Each call is optimistic: ``WATCH gen``, load the document if ``gen`` changed since this process
-last saw it, run the call on the Python state, then ``MULTI`` (new blobs, document, a new
-``gen`` token, dropped blobs) ``EXEC``; a concurrent commit aborts the ``EXEC`` and the call runs
-again on the fresh state. The cache check compares random tokens, not a counter: a Redis that
-rolled back (restarted from an older snapshot) and took other commits since cannot make an old
-``gen`` come back, so no process runs on a stale state and overwrites newer commits.
+Each call is optimistic, on one held connection in two round trips: ``UNWATCH``, ``WATCH gen``,
+``GET gen``, ``TIME`` in one write; load the document and the leases if ``gen`` changed since this
+process last saw it; run the call on the Python state, then ``MULTI`` (new blobs, document,
+touched lease fields, a new ``gen`` token, dropped blobs) ``EXEC`` in one write; a concurrent
+commit aborts the ``EXEC`` and the call runs again on the fresh state. The cache check compares
+random tokens, not a counter: a Redis that rolled back (restarted from an older snapshot) and took
+other commits since cannot make an old ``gen`` come back, so no process runs on a stale state and overwrites newer commits.
 
 The store's *epoch* (:attr:`~mx_refit.catalog.store.base.Txn.epoch`) is the Redis server's
 ``run_id`` (new at every server start and on the replica a failover promotes; read on every new
@@ -177,96 +178,103 @@ class RedisStore(CatalogStore):
             )
 
     def _attempt(self, body: Callable[[Txn], T]) -> T:
-        with self._redis.pipeline() as pipe:
-            pipe.watch(self._gen_key)  # from here until MULTI, commands run at once
-            raw = pipe.get(self._gen_key)
-            if raw is None:  # a new (or flushed) store: start a lineage, then run on it
-                pipe.unwatch()
-                self._redis.set(self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}", nx=True)
-                raise WatchError("the store's lineage was just created")
-            generation = raw.decode() if isinstance(raw, bytes) else str(raw)
-            lineage = generation.partition(":")[0]
-            epoch = f"{_run_id(pipe)}.{lineage}"
-            if self._clock is not None:
-                now = self._clock()
-            else:
-                seconds, micros = pipe.time()
-                now = seconds + micros / 1e6
-            if self._state is None or generation != self._generation:
-                self._load(pipe, generation)
-            assert self._state is not None
-            txn = Txn(self._state, now, generation, epoch=epoch)
-            result = body(txn)
-            touched = self._state.deadlines.take_touched()
-            document, blobs = self._codec.encode(self._state)
-            if document == self._document and not touched:
-                return result  # nothing changed: nothing to write (UNWATCH on leaving)
-            keys = set(blobs)
-            committed = f"{lineage}:{uuid.uuid4().hex}"
-            live: dict[Any, Any] = {lease.lease_id: _lease_text(lease) for lease in touched if not lease.dead}
-            ended = {lease.lease_id for lease in touched if lease.dead} - set(live)
-            pipe.multi()
-            for key in keys - self._blob_keys:
-                pipe.set(key, blobs[key])
-            if document != self._document:
-                pipe.set(self._doc_key, document)
-            if ended:
-                pipe.hdel(self._leases_key, *ended)
-            if live:
-                pipe.hset(self._leases_key, mapping=live)
-            pipe.set(self._gen_key, committed)
-            stale = self._blob_keys - keys
-            if stale:
-                pipe.delete(*stale)
-            pipe.execute()
+        # One held connection, the transaction framed by hand so that a call costs two round
+        # trips: (UNWATCH, WATCH gen, GET gen, TIME) and (MULTI ... EXEC); redis-py's WATCH
+        # pipeline sends each of the first four on its own.
+        conn = self._redis.connection_pool.get_connection()
+        try:
+            return self._attempt_on(conn, body)
+        except BaseException:
+            conn.disconnect()  # a failure may leave replies unread or a WATCH set: start clean
+            raise
+        finally:
+            self._redis.connection_pool.release(conn)
+
+    def _attempt_on(self, conn: Any, body: Callable[[Txn], T]) -> T:
+        reads: list[tuple[Any, ...]] = [("UNWATCH",), ("WATCH", self._gen_key), ("GET", self._gen_key)]
+        if self._clock is None:
+            reads.append(("TIME",))
+        replies = _batch(conn, reads, check_health=True)  # the one place a health check may reconnect
+        raw = replies[2]
+        if raw is None:  # a new (or flushed) store: start a lineage, then run on it
+            _batch(conn, [("UNWATCH",), ("SET", self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}", "NX")])
+            raise WatchError("the store's lineage was just created")
+        generation = _text(raw)
+        lineage = generation.partition(":")[0]
+        epoch = f"{_run_id(conn)}.{lineage}"
+        if self._clock is not None:
+            now = self._clock()
+        else:
+            seconds, micros = replies[3]
+            now = int(seconds) + int(micros) / 1e6
+        if self._state is None or generation != self._generation:
+            self._load(conn, generation)
+        assert self._state is not None
+        txn = Txn(self._state, now, generation, epoch=epoch)
+        result = body(txn)
+        touched = self._state.deadlines.take_touched()
+        document, blobs = self._codec.encode(self._state)
+        if document == self._document and not touched:
+            return result  # nothing changed: nothing to write (the next call's UNWATCH clears the WATCH)
+        keys = set(blobs)
+        committed = f"{lineage}:{uuid.uuid4().hex}"
+        live: dict[Any, Any] = {lease.lease_id: _lease_text(lease) for lease in touched if not lease.dead}
+        ended = {lease.lease_id for lease in touched if lease.dead} - set(live)
+        writes: list[tuple[Any, ...]] = [("SET", key, blobs[key]) for key in keys - self._blob_keys]
+        if document != self._document:
+            writes.append(("SET", self._doc_key, document))
+        if ended:
+            writes.append(("HDEL", self._leases_key, *ended))
+        if live:
+            writes.append(("HSET", self._leases_key, *(x for item in live.items() for x in item)))
+        writes.append(("SET", self._gen_key, committed))
+        stale = self._blob_keys - keys
+        if stale:
+            writes.append(("DEL", *stale))
+        if _batch(conn, [("MULTI",), *writes, ("EXEC",)])[-1] is None:
+            raise WatchError("another process committed first")
         self._generation, self._document, self._blob_keys = committed, document, keys
         self._cond.notify_all()
         return result
 
-    def _load(self, pipe: Any, generation: str) -> None:
-        raw = pipe.get(self._doc_key)
+    def _load(self, conn: Any, generation: str) -> None:
+        # The document and the leases as of one instant (MULTI/EXEC: no commit lands between
+        # them), then the WATCH again (EXEC dropped it) and gen, which must still be the same.
+        replies = _batch(conn, [("MULTI",), ("GET", self._doc_key), ("HGETALL", self._leases_key), ("EXEC",),
+                                ("WATCH", self._gen_key), ("GET", self._gen_key)])
+        snapshot, now_at = replies[3], replies[5]
+        if snapshot is None or now_at is None or _text(now_at) != generation:
+            raise WatchError("a commit landed while the state was loading")  # no torn state
+        raw, lease_fields = snapshot
         if raw is None and not generation.endswith(f":{_NEW}"):
             # Committed once, now gone (deleted, evicted): whatever it held was lost, so the
             # state starts again under a new lineage, and with it a new epoch.
             logger.warning("catalog store %s: the catalog document vanished; starting a new epoch", self.url)
-            pipe.multi()
-            pipe.set(self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}")
-            pipe.delete(self._leases_key)  # leases of versions nobody knows any more
-            pipe.execute()
+            _batch(conn, [("MULTI",), ("SET", self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}"),
+                          ("DEL", self._leases_key), ("EXEC",)])
             raise WatchError("the catalog's document vanished")
         if raw is None:
             self._state, self._document, self._blob_keys = _fresh_state(), "", set()
             self._state.deadlines.track_leases = True
         else:
-            document = raw.decode()
+            document = _text(raw)
             keys = self._codec.blob_keys(document)
             missing = [k for k in keys if k not in self._codec.cached_blobs()]
-            texts = dict(zip(missing, pipe.mget(missing), strict=True)) if missing else {}
+            texts: dict[str, Any] = {}
+            if missing:
+                values, now_at = _batch(conn, [("MGET", *missing), ("GET", self._gen_key)])
+                if now_at is None or _text(now_at) != generation:
+                    raise WatchError("a commit landed (and may have dropped blobs) while the state was loading")
+                texts = dict(zip(missing, values, strict=True))
             lost = [k for k, v in texts.items() if v is None]
             if lost:
                 raise Unavailable(f"catalog store {self.url}: the document refers to missing blobs {lost[:3]}")
-            state = self._codec.decode(document, {k: v.decode() for k, v in texts.items()})
+            state = self._codec.decode(document, {k: _text(v) for k, v in texts.items()})
             if not isinstance(state, CatalogState):
                 raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
-            self._load_leases(pipe, state)
-            now_at = pipe.get(self._gen_key)
-            if (now_at.decode() if isinstance(now_at, bytes) else now_at) != generation:
-                raise WatchError("a commit landed between the document and the leases")  # no torn state
+            _link_leases(state, _pairs(lease_fields))
             self._state, self._document, self._blob_keys = state, document, set(keys)
         self._generation = generation
-
-    def _load_leases(self, pipe: Any, state: CatalogState) -> None:
-        """Link every stored lease to its version (one key per lease, see the module docstring)."""
-        for lease_id, text in pipe.hgetall(self._leases_key).items():
-            model, version, reader_id, ttl_s, expires_at, sources = json.loads(text)
-            rec = state.models.get(model, {}).get(version)
-            if rec is None:  # its version is gone (cannot happen: a version with leases is kept)
-                continue
-            lease = LeaseRecord(ttl_s=ttl_s, expires_at=expires_at, lease_id=lease_id.decode(), reader_id=reader_id,
-                                record=rec, sources=tuple(sources))
-            state.leases[lease.lease_id] = rec.leases[lease.lease_id] = lease
-            state.deadlines.set(lease, expires_at, new=True)
-        state.deadlines.track_leases = True  # from now on: what was loaded is no change
 
     def wait_for_change(self, generation: object, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -304,10 +312,44 @@ def _learn_run_id(connection: Any) -> None:
     connection.mx_refit_run_id = run_id or uuid.uuid4().hex  # no run_id: assume a new server
 
 
-def _run_id(pipe: Any) -> str:
-    """The run id of the server ``pipe``'s connection talks to (first 16 hex digits)."""
-    run_id = getattr(pipe.connection, "mx_refit_run_id", None)
-    if run_id is None:  # connected without the callback (should not happen): ask now
-        run_id = str(pipe.info("server").get("run_id") or uuid.uuid4().hex)
-        pipe.connection.mx_refit_run_id = run_id
+def _run_id(conn: Any) -> str:
+    """The run id of the server ``conn`` talks to (first 16 hex digits)."""
+    run_id = getattr(conn, "mx_refit_run_id", None)
+    if run_id is None:  # connected without the callback (should not happen): a new server, say
+        run_id = conn.mx_refit_run_id = uuid.uuid4().hex
     return str(run_id)[:16]
+
+
+def _batch(conn: Any, commands: list[tuple[Any, ...]], *, check_health: bool = False) -> list[Any]:
+    """Send ``commands`` in one write and read their replies: one round trip. Only the first
+    batch of an attempt may run the health check, which can reconnect (and so drop a WATCH)."""
+    conn.send_packed_command(conn.pack_commands(commands), check_health=check_health)
+    replies = []
+    for _ in commands:
+        replies.append(conn.read_response())  # an error reply raises; the caller disconnects
+    return replies
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _pairs(reply: Any) -> list[tuple[Any, Any]]:
+    """HGETALL's reply as pairs: a flat list under RESP2, a map under RESP3."""
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return list(zip(reply[::2], reply[1::2], strict=True))
+
+
+def _link_leases(state: CatalogState, fields: list[tuple[Any, Any]]) -> None:
+    """Link every stored lease to its version (one hash field per lease, see the module docstring)."""
+    for lease_id, text in fields:
+        model, version, reader_id, ttl_s, expires_at, sources = json.loads(text)
+        rec = state.models.get(model, {}).get(version)
+        if rec is None:  # its version is gone (cannot happen: a version with leases is kept)
+            continue
+        lease = LeaseRecord(ttl_s=ttl_s, expires_at=expires_at, lease_id=_text(lease_id), reader_id=reader_id,
+                            record=rec, sources=tuple(sources))
+        state.leases[lease.lease_id] = rec.leases[lease.lease_id] = lease
+        state.deadlines.set(lease, expires_at, new=True)
+    state.deadlines.track_leases = True  # from now on: what was loaded is no change
