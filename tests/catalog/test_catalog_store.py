@@ -211,3 +211,26 @@ def test_a_catalog_document_that_vanishes_starts_a_new_epoch(on_redis, redis_ser
     assert other.answer_epoch() not in ("", before)
     service.list_versions("m")  # the first process notices the new lineage too
     assert service.answer_epoch() == other.answer_epoch()
+
+
+def test_ended_leases_live_in_their_own_hash_bounded_and_shared(on_redis, redis_server, monkeypatch) -> None:
+    from mx_refit.catalog.store import redis_store
+
+    monkeypatch.setattr(redis_store, "ENDED_LEASES_KEPT", 3)
+    one, two = on_redis(), on_redis()
+    publish_ready(one, "m", 1)
+    namespace = one.store._doc_key.removesuffix("doc")
+    leases = [one.acquire_lease("m", 1, f"reader{i}") for i in range(5)]
+    document = redis_server.client.get(f"{namespace}doc")
+    for lease in leases:
+        one.release_lease(lease)
+    assert redis_server.client.get(f"{namespace}doc") == document  # a release writes no document
+    assert sorted(k.decode() for k in redis_server.client.hkeys(f"{namespace}ended")) == sorted(leases[2:])
+    two.release_lease(leases[4])  # the other catalog knows it ended: a retried release is a no-op
+    with pytest.raises(NotFound, match="not known"):
+        two.release_lease(leases[0])  # the oldest, dropped past the bound, in both catalogs
+    with pytest.raises(NotFound, match="not known"):
+        one.release_lease(leases[0])
+    one.release_lease(one.acquire_lease("m", 1, "reader5"))  # the next ends drop the oldest kept
+    assert len(redis_server.client.hkeys(f"{namespace}ended")) == 3
+    assert leases[2].encode() not in redis_server.client.hkeys(f"{namespace}ended")

@@ -201,11 +201,24 @@ class EndedLeases:
 
     keep: int = 65536
     ended: OrderedDict[str, tuple[str, float, float]] = field(default_factory=OrderedDict)
+    # None: not noted (the memory store). A dict (the Redis store): id -> its new entry, or None
+    # when it was dropped, since the last take_changes(), so a commit writes only those.
+    changes: dict[str, tuple[str, float, float] | None] | None = field(default=None, metadata=TRANSIENT)
 
     def add(self, lease: LeaseRecord, how: str, at: float) -> None:
-        self.ended[lease.lease_id] = (how, at, lease.ttl_s)
+        entry = self.ended[lease.lease_id] = (how, at, lease.ttl_s)
+        if self.changes is not None:
+            self.changes[lease.lease_id] = entry
         if len(self.ended) > self.keep:
-            self.ended.popitem(last=False)
+            dropped, _ = self.ended.popitem(last=False)
+            if self.changes is not None:
+                self.changes[dropped] = None
+
+    def take_changes(self) -> dict[str, tuple[str, float, float] | None]:
+        changes = self.changes or {}
+        if self.changes is not None:
+            self.changes = {}
+        return changes
 
     def released(self, lease_id: str) -> bool:
         ended = self.ended.get(lease_id)

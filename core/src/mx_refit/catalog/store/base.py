@@ -41,7 +41,7 @@ class CatalogState:
     # Kept by the store apart from the rest (the Redis store: one key per lease, so a renewal
     # writes one lease, not every one).
     leases: dict[str, LeaseRecord] = field(default_factory=dict, metadata=TRANSIENT)
-    ended_leases: EndedLeases = field(default_factory=EndedLeases)
+    ended_leases: EndedLeases = field(default_factory=EndedLeases, metadata=TRANSIENT)  # Redis: own hash
     # Each live source id's last registered layout: a republished identical layout reuses its
     # descriptor tuple and digest instead of being hashed again (a per-process cache).
     layouts: dict[str, Layout] = field(default_factory=dict, metadata=TRANSIENT)

@@ -8,6 +8,8 @@ Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
 * ``NS leases`` — a hash, one field per live lease (its version, reader, TTL, deadline, sources):
   a lease's renewal, creation or end writes that field only, so its cost does not grow with the
   number of live leases (the document does not hold them).
+* ``NS ended`` — a hash, one field per recently ended lease (``[how, at, ttl]``; the last
+  :data:`ENDED_LEASES_KEPT`): a release writes its field (and drops the oldest), not the document.
 * ``NS blob:<hash>`` — the large immutable parts (a source's descriptors and agent metadata,
   the encoded sidecar), content-addressed: written once, deleted when no document refers to them.
 * ``NS gen`` — ``LINEAGE:TOKEN``: a random lineage made when the key is first written (a flushed
@@ -39,6 +41,7 @@ import random
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -56,8 +59,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_NAMESPACE = "mx-refit:catalog:"
-# Ended leases remembered for "why is my lease gone" (the memory store keeps 65,536): they are
-# part of the control document, which every committing call rewrites.
+# Ended leases remembered for "why is my lease gone" (the memory store keeps 65,536), each in a
+# field of ``NS ended``; a reload reads them all.
 ENDED_LEASES_KEPT = 1024
 _MAX_ATTEMPTS = 200  # optimistic retries of one call under contention
 _POLL_MAX_S = 0.05
@@ -65,7 +68,7 @@ _NEW = "new"  # the token of a lineage that has no document yet
 
 
 def _fresh_state() -> CatalogState:
-    return CatalogState(ended_leases=EndedLeases(keep=ENDED_LEASES_KEPT))
+    return CatalogState(ended_leases=EndedLeases(keep=ENDED_LEASES_KEPT, changes={}))
 
 
 class RedisStore(CatalogStore):
@@ -94,6 +97,7 @@ class RedisStore(CatalogStore):
         self._gen_key = f"{namespace}gen"
         self._doc_key = f"{namespace}doc"
         self._leases_key = f"{namespace}leases"
+        self._ended_key = f"{namespace}ended"
         self._codec = StateCodec(blob_prefix=f"{namespace}blob:")
         self._cond = threading.Condition(threading.Lock())  # serialises this process's calls
         self._state: CatalogState | None = None  # as of ``_generation``; None: load it
@@ -213,8 +217,9 @@ class RedisStore(CatalogStore):
         txn = Txn(self._state, now, generation, epoch=epoch)
         result = body(txn)
         touched = self._state.deadlines.take_touched()
+        ended_changes = self._state.ended_leases.take_changes()
         document, blobs = self._codec.encode(self._state)
-        if document == self._document and not touched:
+        if document == self._document and not touched and not ended_changes:
             return result  # nothing changed: nothing to write (the next call's UNWATCH clears the WATCH)
         keys = set(blobs)
         committed = f"{lineage}:{uuid.uuid4().hex}"
@@ -227,6 +232,12 @@ class RedisStore(CatalogStore):
             writes.append(("HDEL", self._leases_key, *ended))
         if live:
             writes.append(("HSET", self._leases_key, *(x for item in live.items() for x in item)))
+        gone = [lease_id for lease_id, entry in ended_changes.items() if entry is None]
+        if gone:
+            writes.append(("HDEL", self._ended_key, *gone))
+        if len(gone) < len(ended_changes):
+            writes.append(("HSET", self._ended_key, *(x for lease_id, entry in ended_changes.items()
+                                                       if entry is not None for x in (lease_id, json.dumps(entry)))))
         writes.append(("SET", self._gen_key, committed))
         stale = self._blob_keys - keys
         if stale:
@@ -240,18 +251,19 @@ class RedisStore(CatalogStore):
     def _load(self, conn: Any, generation: str) -> None:
         # The document and the leases as of one instant (MULTI/EXEC: no commit lands between
         # them), then the WATCH again (EXEC dropped it) and gen, which must still be the same.
-        replies = _batch(conn, [("MULTI",), ("GET", self._doc_key), ("HGETALL", self._leases_key), ("EXEC",),
+        replies = _batch(conn, [("MULTI",), ("GET", self._doc_key), ("HGETALL", self._leases_key),
+                                ("HGETALL", self._ended_key), ("EXEC",),
                                 ("WATCH", self._gen_key), ("GET", self._gen_key)])
-        snapshot, now_at = replies[3], replies[5]
+        snapshot, now_at = replies[4], replies[6]
         if snapshot is None or now_at is None or _text(now_at) != generation:
             raise WatchError("a commit landed while the state was loading")  # no torn state
-        raw, lease_fields = snapshot
+        raw, lease_fields, ended_fields = snapshot
         if raw is None and not generation.endswith(f":{_NEW}"):
             # Committed once, now gone (deleted, evicted): whatever it held was lost, so the
             # state starts again under a new lineage, and with it a new epoch.
             logger.warning("catalog store %s: the catalog document vanished; starting a new epoch", self.url)
             _batch(conn, [("MULTI",), ("SET", self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}"),
-                          ("DEL", self._leases_key), ("EXEC",)])
+                          ("DEL", self._leases_key, self._ended_key), ("EXEC",)])
             raise WatchError("the catalog's document vanished")
         if raw is None:
             self._state, self._document, self._blob_keys = _fresh_state(), "", set()
@@ -273,6 +285,7 @@ class RedisStore(CatalogStore):
             if not isinstance(state, CatalogState):
                 raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
             _link_leases(state, _pairs(lease_fields))
+            state.ended_leases = _ended_leases(_pairs(ended_fields))
             self._state, self._document, self._blob_keys = state, document, set(keys)
         self._generation = generation
 
@@ -339,6 +352,12 @@ def _pairs(reply: Any) -> list[tuple[Any, Any]]:
     if isinstance(reply, dict):
         return list(reply.items())
     return list(zip(reply[::2], reply[1::2], strict=True))
+
+
+def _ended_leases(fields: list[tuple[Any, Any]]) -> EndedLeases:
+    """The stored ended leases, oldest first (by when they ended), noting changes from now on."""
+    entries = sorted(((_text(lease_id), tuple(json.loads(text))) for lease_id, text in fields), key=lambda e: e[1][1])
+    return EndedLeases(keep=ENDED_LEASES_KEPT, ended=OrderedDict(entries), changes={})
 
 
 def _link_leases(state: CatalogState, fields: list[tuple[Any, Any]]) -> None:
