@@ -246,3 +246,28 @@ def test_from_frontend_reads_the_workers_real_route_descriptors(dynamo_workers) 
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_refit_staged_pauses_only_around_the_commit(megatron, dynamo_workers, ckpts) -> None:
+    """Stage before the pause (generation goes on while the bytes arrive), commit between pause
+    and resume; every rank of both workers ends byte-identical to the checkpoint."""
+    catalog, ranks = megatron
+    client = client_for(dynamo_workers)
+    client.init_weight_transfer_engine({"catalog": catalog, "model": "dyn-megatron", "transfer_timeout_s": 120.0})
+    for worker in dynamo_workers:
+        worker.calls()
+    ranks.call("publish", (3, str(ckpts[3])), timeout_s=600)
+    report = client.refit_staged(3, wait_s=30.0)
+    assert report.weight_version == "3"
+    for worker in dynamo_workers:
+        worker.check(ckpts[3])
+        worker.current = ckpts[3]
+        assert worker.calls() == [
+            "rpc:start_weight_update",
+            "rpc:update_weights",  # phase "stage": unpaused, returns at once
+            "pause_generation",
+            "rpc:update_weights",  # phase "commit"
+            "rpc:finish_weight_update",
+            "reset_prefix_cache",
+            "resume_generation",
+        ]

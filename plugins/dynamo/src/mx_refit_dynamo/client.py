@@ -126,6 +126,7 @@ class DynamoRefitClient:
         self._paused: set[str] = set()
         self._started: set[str] = set()
         self._updated: set[str] = set()
+        self._unpaused_stage = False  # refit_staged: the session opened and staged unpaused
 
     @classmethod
     def from_frontend(
@@ -271,6 +272,67 @@ class DynamoRefitClient:
             version=version, workers=tuple(w.system_url for w in self.workers), weight_version=label
         )
 
+    def refit_staged(
+        self,
+        version: int,
+        *,
+        init_info: dict[str, Any] | None = None,
+        weight_version: str | None = None,
+        wait_s: float | None = None,
+    ) -> CycleReport:
+        """Stage before the pause, commit between pause and resume: every worker opens its
+        session and starts pulling ``version`` in the background (``phase: "stage"``, unpaused,
+        so generation goes on), then each is paused, commits (``phase: "commit"``: places the
+        staged bytes), finishes (prefix cache reset) and is resumed. The pause covers the
+        commit only. A stage that failed raises at the commit; that worker keeps its weights.
+        """
+        if init_info is not None:
+            self.init_weight_transfer_engine(init_info)
+        self._require_initialized()
+        if self._started:
+            raise InvalidArgument(
+                f"refit_staged: an update is already open on {sorted(self._started)}; "
+                "call finish_weight_update first"
+            )
+        self._updated.clear()
+        stage_info: dict[str, Any] = {"version": version, "phase": "stage"}
+        if wait_s is not None:
+            stage_info["wait_s"] = wait_s
+
+        def stage(worker: DynamoWorker) -> None:
+            self._post(worker, "update_weights_from_distributed", self._update_body("start_weight_update"))
+            self._started.add(worker.system_url)
+            body = self._update_body("update_weights", update_info=stage_info)
+            self._post(worker, "update_weights_from_distributed", body)
+
+        self._unpaused_stage = True
+        try:
+            _, failures = self._each(self.workers, stage)
+            if failures:
+                self._abort("refit_staged (stage)", failures)
+        finally:
+            self._unpaused_stage = False
+
+        def commit(worker: DynamoWorker) -> None:
+            if self.pause:
+                self._post(worker, "pause_generation", {"mode": self.pause_mode, "clear_cache": False})
+                self._paused.add(worker.system_url)
+            body = self._update_body("update_weights", update_info={"phase": "commit"})
+            try:
+                self._post(worker, "update_weights_from_distributed", body)
+            except _RouteError:
+                self._started.discard(worker.system_url)  # vLLM closed the session itself
+                raise
+            self._updated.add(worker.system_url)
+
+        _, failures = self._each(self.workers, commit)
+        if failures:
+            self._abort("refit_staged (commit)", failures)
+        label = weight_version if weight_version is not None else str(version)
+        self.finish_weight_update(label)
+        workers = tuple(w.system_url for w in self.workers)
+        return CycleReport(version=version, workers=workers, weight_version=label)
+
     def refit_via_extension(
         self, version: int, *, mx_config: dict[str, Any] | None = None, weight_version: str | None = None
     ) -> None:
@@ -326,7 +388,7 @@ class DynamoRefitClient:
 
     def _update_body(self, rpc: str, **kwargs: Any) -> dict[str, Any]:
         body: dict[str, Any] = {"engine_rpc": rpc, **kwargs}
-        if not self.pause:
+        if not self.pause or self._unpaused_stage:
             body.update(allow_unpaused=True, reset_prefix_cache=False)
         elif rpc != "finish_weight_update":
             body["reset_prefix_cache"] = False  # only the finished weights make the cache stale
