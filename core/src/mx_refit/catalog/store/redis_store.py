@@ -189,8 +189,9 @@ class RedisStore(CatalogStore):
         try:
             return self._attempt_on(conn, body)
         except BaseException:
-            conn.disconnect()  # a failure may leave replies unread or a WATCH set: start clean
-            raise
+            if getattr(conn, "mx_refit_pending", False):  # failed mid-batch: replies left unread
+                conn.disconnect()
+            raise  # else (the body refused, a lost race) it is clean: the next UNWATCH drops the WATCH
         finally:
             self._redis.connection_pool.release(conn)
 
@@ -336,10 +337,12 @@ def _run_id(conn: Any) -> str:
 def _batch(conn: Any, commands: list[tuple[Any, ...]], *, check_health: bool = False) -> list[Any]:
     """Send ``commands`` in one write and read their replies: one round trip. Only the first
     batch of an attempt may run the health check, which can reconnect (and so drop a WATCH)."""
+    conn.mx_refit_pending = True
     conn.send_packed_command(conn.pack_commands(commands), check_health=check_health)
     replies = []
     for _ in commands:
         replies.append(conn.read_response())  # an error reply raises; the caller disconnects
+    conn.mx_refit_pending = False
     return replies
 
 
