@@ -209,12 +209,14 @@ class SourceDelta(_message.Message):
     def __init__(self, base_version: _Optional[int] = ..., base_digest: _Optional[str] = ..., addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorDelta, _Mapping]]] = ..., record_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockChecksums(_message.Message):
-    __slots__ = ("block_bytes", "sums")
+    __slots__ = ("block_bytes", "sums", "sums_le64")
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SUMS_FIELD_NUMBER: _ClassVar[int]
+    SUMS_LE64_FIELD_NUMBER: _ClassVar[int]
     block_bytes: int
     sums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_bytes: _Optional[int] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...
+    sums_le64: bytes
+    def __init__(self, block_bytes: _Optional[int] = ..., sums: _Optional[_Iterable[int]] = ..., sums_le64: _Optional[bytes] = ...) -> None: ...
 
 class Mirror(_message.Message):
     __slots__ = ("source_id", "source_addr", "nbytes", "addr")
