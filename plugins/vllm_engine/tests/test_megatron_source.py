@@ -3,7 +3,9 @@
 The two Megatron ranks publish their native shards (fused, group-interleaved QKV with biases,
 [gate_r; up_r] fc1, a padded vocabulary) once; both vLLM worker groups refit the same READY
 version, each planning from the sidecar, and must end up byte-identical to vLLM loading the HF
-checkpoint itself.
+checkpoint itself. The same holds for the untied variant (its own ``lm_head.weight``, a
+vocabulary of 131 that TP 2 does not divide: Megatron's padded output layer -> vLLM's
+``ParallelLMHead``), refitted into vLLM groups built from that model.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from mx_refit.testing.procs import core_python, rendezvous_url, start_group
+from mx_refit.testing.checkpoints import build_version
+from mx_refit.testing.procs import core_python, rendezvous_url, start_concurrently, start_group, vllm_python
+
+from conftest import HERE, Workers
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +135,39 @@ def test_stage_while_serving_then_commit(megatron, tp2, mx_catalog: str, ckpts: 
         tp2.rpc("update_weights", update_info={"phase": "commit"})
     tp2.assert_untouched()
     assert not any(s["session"] for s in tp2.stats())
+
+
+@pytest.fixture(scope="module")
+def untied(megatron, tmp_path_factory: pytest.TempPathFactory, log_dir: Path):
+    """vLLM TP 1 and TP 2 groups built from the untied model's version 0, and its version 3
+    published by the Megatron TP 2 trainer under its own model name."""
+    root = tmp_path_factory.mktemp("untied")
+    v0, v3 = (build_version(root, v, tied=False) for v in (0, 3))
+    _, group = megatron
+    name = "vllm-megatron-tp2-untied"
+    published = group.call("publish", (3, str(v3), name), timeout_s=600)
+    assert {p["state"] for p in published} <= {"PENDING", "READY"}
+
+    def start(tp: int):
+        rendezvous = rendezvous_url(log_dir)
+        args = [["--rank", str(r), "--world", str(tp), "--dist-init", rendezvous, "--hf-dir", str(v0)]
+                for r in range(tp)]
+        group = start_group(f"vllm-untied-tp{tp}", vllm_python(), HERE / "_vllm_worker.py", args, log_dir)
+        return Workers(group, v0)
+
+    groups = start_concurrently([lambda: start(1), lambda: start(2)], lambda w: w.group.stop())
+    yield name, v3, groups
+    for workers in groups:
+        workers.group.stop()
+
+
+def test_untied_embeddings_rank_exact_at_tp1_and_tp2(untied, mx_catalog: str) -> None:
+    """Untied embeddings, vocabulary 131 (not divisible by TP 2): every vLLM parameter,
+    ``lm_head.weight`` included, equals vLLM's own ``load_weights`` of the HF checkpoint, and
+    every byte went straight into the parameters."""
+    name, v3, groups = untied
+    for workers in groups:
+        workers.refit({"catalog": mx_catalog, "model": name}, {"version": 3}, v3)
+        assert_rank_exact(workers.stats())
+        for rank, s in enumerate(workers.stats()):
+            assert s["layout"].tp_rank == rank and s["layout"].tp_size == workers.tp

@@ -8,6 +8,8 @@ so a misplaced row, head or bias shows up in a byte comparison.
 
 Qwen2 is chosen for its awkward corners: q/k/v biases, tied embeddings, GQA (4 q / 2 kv heads)
 and a vocabulary of 131 that no TP > 1 divides (Megatron pads it, vLLM pads it differently).
+``build_version(root, v, tied=False)`` writes the same model with its own ``lm_head.weight``
+(an untied, vocabulary-parallel output layer on both sides).
 """
 
 from __future__ import annotations
@@ -42,20 +44,23 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def build_version(root: Path, version: int) -> Path:
-    """Write (once) and return the checkpoint directory of weights version ``version``."""
+def build_version(root: Path, version: int, *, tied: bool = True) -> Path:
+    """Write (once) and return the checkpoint directory of weights version ``version``
+    (``tied=False``: untied embeddings, a separate ``lm_head.weight``)."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    out = root / f"qwen2-v{version}"
+    stem = "qwen2" if tied else "qwen2-untied"
+    out = root / f"{stem}-v{version}"
     if (out / "model.safetensors").exists():
         return out
-    tmp = root / f".qwen2-v{version}.tmp"
+    tmp = root / f".{stem}-v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    settings = {**CONFIG, "tie_word_embeddings": tied}
     config = transformers.Qwen2Config(
-        **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+        **{k: v for k, v in settings.items() if k not in ("architectures", "model_type")}
     )
     with torch.device("meta"):
         names = {n: tuple(p.shape) for n, p in transformers.Qwen2ForCausalLM(config).named_parameters()}
@@ -64,7 +69,7 @@ def build_version(root: Path, version: int) -> Path:
         name: (torch.randn(shape, generator=gen) * 0.05).contiguous() for name, shape in sorted(names.items())
     }
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (tmp / "config.json").write_text(json.dumps(settings, indent=1))
     tmp.rename(out)
     return out
 
