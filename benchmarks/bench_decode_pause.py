@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "src"))
 def build_weights(args: argparse.Namespace, seed: int) -> dict[str, "torch.Tensor"]:  # noqa: F821
     import torch
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the device: 36 Qwen3-8B-shaped layers drawn on the host took over a minute.
+    g = torch.Generator(device=args.device).manual_seed(seed)
     head_dim = args.hidden // args.heads
     qkv_rows = (args.heads + 2 * args.kv_heads) * head_dim
     shapes = {"qkv": (qkv_rows, args.hidden), "o": (args.hidden, args.hidden),
@@ -41,9 +42,8 @@ def build_weights(args: argparse.Namespace, seed: int) -> dict[str, "torch.Tenso
     out = {}
     for layer in range(args.layers):
         for name, shape in shapes.items():
-            t = torch.empty(shape, dtype=torch.bfloat16, device=args.device)
-            t.copy_((torch.rand(shape, generator=g) - 0.5).mul_(0.02).to(torch.bfloat16))
-            out[f"layers.{layer}.{name}"] = t
+            t = (torch.rand(shape, generator=g, device=args.device) - 0.5).mul_(0.02)
+            out[f"layers.{layer}.{name}"] = t.to(torch.bfloat16)
     return out
 
 
