@@ -157,6 +157,8 @@ def test_load_config_takes_omegaconf_and_resolves_interpolations():
         ({"catalog": {"store": "redis://h:6379/zero"}}, r"weight_sync.catalog.store: .redis://h:6379/zero. has database .zero."),
         ({"catalog": {"stor": "memory"}}, r"weight_sync.catalog.stor: unknown key .*did you mean .store.\?"),
         ({"method": "nccl"}, r"weight_sync.method: 'nccl'"),
+        ({"receive_mode": "direct"}, r"weight_sync.receive_mode: 'direct' \(pulling through a bounded receive buffer\) is not built yet; use 'staged'"),
+        ({"receive_mode": "stage"}, r"weight_sync.receive_mode: 'stage' \(expected 'staged'\)"),
     ],
 )
 def test_load_config_names_the_field(block, message):
@@ -199,6 +201,7 @@ def _every_key_set(address: str) -> WeightSyncConfig:
 # that no key is missing here.
 CONSUMED = {
     "method": "validate: only 'mx'",
+    "receive_mode": "validate: only 'staged' ('direct' is refused as not built); vLLM's MxInitInfo.receive_mode",
     "model_name": "Publisher/Receiver.from_config model",
     "catalog": "from_config catalog (address, token); start_catalog(config=) (host, port, advertise_host, token)",
     "transfer_timeout_s": "Receiver.transfer_timeout_s",

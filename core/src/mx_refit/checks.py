@@ -31,6 +31,8 @@ __all__ = [
     "NIXL",
     "NO_FANOUT",
     "PUBLISH_FORMATS",
+    "RECEIVE_MODES",
+    "STAGED",
     "STANDALONE",
     "TRANSPORT_MODES",
     "TREE",
@@ -39,6 +41,7 @@ __all__ = [
     "check_flag",
     "check_mode",
     "check_name",
+    "check_receive_mode",
     "check_seconds",
 ]
 
@@ -56,6 +59,13 @@ FANOUT_MODES = (NO_FANOUT, TREE)
 # weight_sync.publish_format: the trainer's dtype as is, or FP8 E4M3 with 128x128 block scales
 # (mx_refit.fp8; the compile target "fp8_block").
 PUBLISH_FORMATS = ("bf16", "fp8_block")
+
+# weight_sync.receive_mode: staged = the receive arena holds the worker's whole version (pulled
+# while the engine serves, committed in one short step). direct (pull through a buffer bounded by a
+# setting, generation paused) is named here so the refusal can say it is not built yet.
+STAGED = "staged"
+DIRECT = "direct"
+RECEIVE_MODES = (STAGED,)
 
 # weight_sync.catalog.mode: embedded (started in the trainer's driver) or a standalone server.
 EMBEDDED = "embedded"
@@ -117,6 +127,16 @@ def check_mode(value: Any, field: str, modes: Collection[str]) -> str:
         listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
         raise InvalidArgument(f"{field}: {value!r} (expected {listed})")
     return str(value)
+
+
+def check_receive_mode(value: Any, field: str) -> str:
+    """``staged``; ``direct`` is refused as not built (never accepted and silently staged)."""
+    if value == DIRECT:
+        raise InvalidArgument(
+            f"{field}: 'direct' (pulling through a bounded receive buffer) is not built yet; use "
+            f"'staged' (the receive arena holds this worker's whole version, see receive_mode in the README)"
+        )
+    return check_mode(value, field, RECEIVE_MODES)
 
 
 def batches[T: _Sized](tensors: Iterable[tuple[str, T]], max_bytes: int) -> Iterator[list[tuple[str, T]]]:

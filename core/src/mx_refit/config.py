@@ -37,6 +37,7 @@ from mx_refit.checks import (
     FANOUT_MODES,
     NIXL,
     NO_FANOUT,
+    STAGED,
     STANDALONE,
     TRANSPORT_MODES,
     TREE,
@@ -44,6 +45,7 @@ from mx_refit.checks import (
     check_flag,
     check_mode,
     check_name,
+    check_receive_mode,
     check_seconds,
 )
 from mx_refit.errors import InvalidArgument
@@ -68,6 +70,7 @@ __all__ = [
     "FANOUT_MODES",
     "NIXL",
     "NO_FANOUT",
+    "STAGED",
     "STANDALONE",
     "TRANSPORT_MODES",
     "TREE",
@@ -75,6 +78,7 @@ __all__ = [
     "check_flag",
     "check_mode",
     "check_name",
+    "check_receive_mode",
     "check_seconds",
     # the schema
     "CatalogConfig",
@@ -140,6 +144,7 @@ class WeightSyncConfig:
     publish_format: str = "bf16"  # bf16 | fp8_block: quantise linear weights on publish (README, "FP8 on publish")
     delta: str = "off"  # off | auto: move only the bytes changed since the receiver's version (README, "Delta refits")
     delta_anchor_every: int = 10  # publishers: every N-th version is published whole (an anchor)
+    receive_mode: str = STAGED  # staged (whole-version arena; README "Receive memory"); direct: not built
     fanout: str = NO_FANOUT  # none | tree: receivers republish their arena as replicas (README, "Fan-out")
     max_readers_per_source: int = 0  # > 0: concurrent readers one source serves at most
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
@@ -177,6 +182,7 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
 
     check_mode(cfg.publish_format, "weight_sync.publish_format", PUBLISH_FORMATS)
     check_mode(cfg.fanout, "weight_sync.fanout", FANOUT_MODES)
+    check_receive_mode(cfg.receive_mode, "weight_sync.receive_mode")
     check_mode(cfg.delta, "weight_sync.delta", ("off", "auto"))
     check_count(cfg.delta_anchor_every, "weight_sync.delta_anchor_every", minimum=1, setting=True)
     check_count(cfg.max_readers_per_source, "weight_sync.max_readers_per_source", minimum=0, setting=True)

@@ -191,6 +191,11 @@ def test_coverage_gap(tp1, good, publish, mx_catalog: str, model_name: str, ckpt
             {"init_info": {"catalog": "h:1", "model": "m", "checksums": "yes"}},
             "MxInitInfo.checksums",
         ),
+        (
+            "init_weight_transfer_engine",
+            {"init_info": {"catalog": "h:1", "model": "m", "receive_mode": "direct"}},
+            "MxInitInfo.receive_mode: 'direct' (pulling through a bounded receive buffer) is not built yet",
+        ),
         ("update_weights", {"update_info": {"version": "3"}}, "MxUpdateInfo.version"),
         ("update_weights", {"update_info": {"versoin": 3}}, "versoin"),
         ("update_weights", {"update_info": {"version": 2, "min_version": 5}}, "MxUpdateInfo.min_version"),

@@ -19,9 +19,11 @@ from mx_refit.config import (
     DEFAULT_LEASE_TTL_S,
     DEFAULT_LOAD_BATCH_BYTES,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    STAGED,
     check_count,
     check_flag,
     check_name,
+    check_receive_mode,
     check_seconds,
 )
 from mx_refit.errors import InvalidArgument
@@ -66,6 +68,10 @@ class MxInitInfo(WeightTransferInitInfo):
     :param rank_exact: Pull only this rank's bytes and place them into vLLM's parameters
         (modules it cannot prove are pulled whole and loaded by vLLM, with a warning naming
         them); ``False`` pulls whole HF tensors for every parameter.
+    :param receive_mode: ``weight_sync.receive_mode``: ``"staged"``, the receive arena holds
+        this worker's whole version (its own rank's bytes), so a version can be staged while
+        generation runs and committed in one short step (``MxUpdateInfo.phase``). ``"direct"``
+        (a receive buffer bounded by a setting) is not built yet and is refused.
     """
 
     catalog: str
@@ -79,9 +85,11 @@ class MxInitInfo(WeightTransferInitInfo):
     strict_names: bool = True
     checksums: bool = False
     rank_exact: bool = True
+    receive_mode: str = STAGED
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        check_receive_mode(self.receive_mode, f"{name}.receive_mode")
         check_flag(self.rank_exact, f"{name}.rank_exact")
         _check_address(name, "catalog", self.catalog)
         _check_str(name, "model", self.model)
