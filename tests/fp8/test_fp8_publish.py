@@ -140,7 +140,7 @@ def test_the_revision_is_content_addressed_and_compat_is_stated(mx_catalog: str,
             source = pub.client.get_version(mx_model_name, version).sources[0]
             revisions.append(source.revision)
             assert source.compat is not None and source.compat.compile_config_digest.startswith("fp8_block:")
-    assert revisions[0] == revisions[1] != revisions[2] and revisions[0].startswith("b2:")
+    assert revisions[0] == revisions[1] != revisions[2] and revisions[0].startswith("b2p:")
     with Publisher(mx_catalog, mx_model_name + "-plain") as plain:
         plain.publish(1, published)
         source = plain.client.get_version(mx_model_name + "-plain", 1).sources[0]

@@ -48,8 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mx_refit.errors import ChecksumMismatch, InvalidArgument, TransferError
-from mx_refit.types import BlockChecksums, SourceInfo, TensorDescriptor
+from mx_refit.errors import InvalidArgument, TransferError
+from mx_refit.types import BlockChecksums, PackedSums, SourceInfo, TensorDescriptor
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -102,7 +102,8 @@ def validate_checksums(
         raise InvalidArgument(f"source.checksums: expected a BlockChecksums, got {type(checksums).__name__}")
     block = check_block_bytes(checksums.block_bytes, "source.checksums.block_bytes")
     sums = checksums.sums
-    if isinstance(sums, (str, bytes)) or not isinstance(sums, Sequence):
+    packed = isinstance(sums, PackedSums)  # int64 by construction: no check per block
+    if not packed and (isinstance(sums, (str, bytes)) or not isinstance(sums, Sequence)):
         raise InvalidArgument(f"source.checksums.sums: must be a sequence, got {type(sums).__name__}")
     expected = sum(block_count(d.nbytes, block) for d in tensors)
     if len(sums) != expected:
@@ -110,10 +111,12 @@ def validate_checksums(
             f"source.checksums.sums: {len(sums)} values, but {len(tensors)} tensors in blocks of "
             f"{block} bytes make {expected} blocks"
         )
+    if packed:
+        return checksums if checksums.block_bytes is block else BlockChecksums(block, sums)
     for index, value in enumerate(sums):
         if isinstance(value, bool) or not isinstance(value, int) or not _INT64[0] <= value <= _INT64[1]:
             raise InvalidArgument(f"source.checksums.sums[{index}]: {value!r} is not an int64")
-    return BlockChecksums(block, tuple(sums))
+    return BlockChecksums(block, PackedSums.of(sums))
 
 
 # --- the function --------------------------------------------------------------------------------
@@ -217,18 +220,21 @@ class PendingSums:
     def result(self) -> BlockChecksums:
         for event in self._events:
             event.synchronize()
-        host: dict[int, list[int]] = {}
-        flat: list[int] = []
+        import numpy as np
+
+        host: dict[int, np.ndarray] = {}
+        flat: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
         for part in self._parts:
             if isinstance(part, tuple):
                 out, first, count = part
                 values = host.get(id(out))
                 if values is None:
-                    values = host[id(out)] = out.cpu().tolist()
-                flat.extend(values[first : first + count])
+                    values = host[id(out)] = out.cpu().numpy()
+                flat.append(values[first : first + count])
             else:
-                flat.extend(part.cpu().tolist())
-        return BlockChecksums(self.block_bytes, tuple(flat))
+                flat.append(part.cpu().numpy())
+        packed = np.concatenate(flat).astype("<i8", copy=False).tobytes()  # no Python int per block
+        return BlockChecksums(self.block_bytes, PackedSums(packed))
 
 
 def start_source_checksums(tensors: Sequence["torch.Tensor"], block_bytes: int) -> PendingSums:
@@ -360,6 +366,24 @@ class Verification:
             kept = self.__dict__["_sum_indices"] = {sid: (np.concatenate(a), np.concatenate(b))
                                                     for sid, (a, b) in parts.items()}
         return kept  # type: ignore[no-any-return]
+
+    def device_indices(self, device: "torch.device") -> "dict[str, tuple[torch.Tensor | None, torch.Tensor]]":
+        """:meth:`sum_indices` on ``device`` (made once per device); the slots are None when one
+        source's blocks fill every slot in order."""
+        kept = self.__dict__.setdefault("_device_indices", {})
+        got = kept.get(str(device))
+        if got is None:
+            import numpy as np
+            import torch
+
+            total = len(self.blocks()[0])
+            got = {}
+            for sid, (slots, positions) in self.sum_indices().items():
+                whole = len(slots) == total and bool((slots == np.arange(total)).all())
+                got[sid] = (None if whole else torch.from_numpy(slots).to(device),
+                            torch.from_numpy(positions).to(device))
+            kept[str(device)] = got
+        return got  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -518,35 +542,17 @@ def verify(
     :raises ChecksumMismatch: naming the first bad block's tensor, block, byte range and source
         (and how many blocks mismatched); the plan's places are left as pulled.
     """
-    import numpy as np
+    import torch
 
-    got = _block_sums(arena, verification, fused).cpu().numpy()  # one transfer of sums
-    bad: list[tuple[int, int, int, int]] = []  # (run index, block in run, published, received)
-    run_slots = verification.run_slots()
-    for source_id, (slots, indices) in verification.sum_indices().items():
-        sums = sources[source_id].checksums
-        assert sums is not None  # widen() refused sources without checksums
-        want = np.array(sums.sums, dtype=np.int64)[indices]
-        for k in np.flatnonzero(got[slots] != want).tolist():  # vectorised; a loop only over mismatches
-            slot = int(slots[k])
-            r = int(np.searchsorted(run_slots, slot, side="right")) - 1
-            bad.append((r, slot - int(run_slots[r]), int(want[k]), int(got[slot])))
-    cursor = len(got)
-    if bad:
-        bad.sort()
-        r, j, want_j, have = bad[0]
-        run = verification.runs[r]
-        block = verification.block_bytes[run.source_id]
-        k = run.first_block + j
-        raise ChecksumMismatch(
-            f"checksum mismatch in tensor {run.tensor!r} from source {run.source_id!r}: block {k} "
-            f"(bytes [{k * block}, {k * block + min(block, run.nbytes - j * block)})) published "
-            f"{want_j}, received {have}; {len(bad)} of {cursor} pulled blocks differ; nothing was loaded",
-            source_id=run.source_id, tensor=run.tensor, block=k,
-        )
+    from mx_refit.checksum_compare import expected_sums, raise_mismatch
+
+    got = _block_sums(arena, verification, fused)  # on the arena's device
+    want = expected_sums(verification, sources, got.device)
+    if not torch.equal(got, want):  # one comparison on the device; only a mismatch comes to the host
+        raise_mismatch(got.cpu().numpy(), want.cpu().numpy(), verification)
     for staged, place, nbytes in verification.copies:
         arena[place : place + nbytes].copy_(arena[staged : staged + nbytes])
-    return cursor
+    return int(got.numel())
 
 
 def _block_sums(

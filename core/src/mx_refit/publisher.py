@@ -87,8 +87,11 @@ def _revision(checksums: "BlockChecksums | None") -> str:
         return ""
     import hashlib
 
-    text = f"{checksums.block_bytes}:" + ",".join(map(str, checksums.sums))
-    return "b2:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    from mx_refit.types import PackedSums
+
+    # the sums as packed on the wire ("b2:" hashed their decimal text, one str per block)
+    data = f"{checksums.block_bytes}:".encode() + PackedSums.of(checksums.sums).packed
+    return "b2p:" + hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def mesh_source_id(model: str, mesh: MeshPosition) -> str:

@@ -7,7 +7,9 @@ speak them without paying for heavy imports.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -26,6 +28,7 @@ __all__ = [
     "MemType",
     "MeshPosition",
     "Mirror",
+    "PackedSums",
     "PublishedTensor",
     "ReadOp",
     "RefitStats",
@@ -208,7 +211,75 @@ class BlockChecksums:
     (``ceil(nbytes / block_bytes)`` values per tensor)."""
 
     block_bytes: int
-    sums: tuple[int, ...]
+    sums: Sequence[int]  # a PackedSums once validated or decoded from the catalog
+
+
+class PackedSums(Sequence[int]):
+    """Block checksums held as packed little-endian int64 bytes (the catalog's
+    ``BlockChecksums.sums_le64``): decoded with one buffer view, never one Python int per block
+    unless indexed. A sequence of ints equal to the tuple of the same values; :meth:`array`
+    (numpy) and ``device`` (a per-device cache filled by :mod:`mx_refit.checksums`) are made
+    once per object, i.e. once per source and version on a reader."""
+
+    __slots__ = ("packed", "_view", "_array", "device")
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % 8:
+            raise ValueError(f"{len(packed)} bytes is not a multiple of 8")
+        self.packed = bytes(packed)
+        if sys.byteorder == "little":
+            self._view: Sequence[int] = memoryview(self.packed).cast("q")
+        else:  # pragma: no cover - big-endian hosts swap once
+            swapped = array("q", self.packed)
+            swapped.byteswap()
+            self._view = swapped
+        self._array: Any = None
+        self.device: dict[str, Any] = {}
+
+    @classmethod
+    def of(cls, values: Iterable[int]) -> "PackedSums":
+        """From ints (each an int64; :class:`OverflowError` otherwise)."""
+        if isinstance(values, PackedSums):
+            return values
+        packed = array("q", values)
+        if sys.byteorder != "little":  # pragma: no cover
+            packed.byteswap()
+        return cls(packed.tobytes())
+
+    def array(self) -> Any:
+        """A read-only numpy int64 view of the sums (made once)."""
+        if self._array is None:
+            import numpy as np
+
+            self._array = np.frombuffer(self.packed, dtype="<i8")
+        return self._array
+
+    def __len__(self) -> int:
+        return len(self.packed) // 8
+
+    def __getitem__(self, index: Any) -> Any:
+        got = self._view[index]
+        return tuple(got) if isinstance(index, slice) else got
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._view)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedSums):
+            return self.packed == other.packed
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and tuple(self._view) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._view))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PackedSums, (self.packed,))
+
+    def __repr__(self) -> str:
+        shown = ", ".join(map(str, self[:4]))
+        return f"PackedSums([{shown}{', ...' if len(self) > 4 else ''}], n={len(self)})"
 
 
 class DeltaForm(str, enum.Enum):

@@ -39,6 +39,7 @@ from mx_refit.types import (
     MemType,
     MeshPosition,
     Mirror,
+    PackedSums,
     Role,
     SourceDelta,
     SourceInfo,
@@ -271,8 +272,8 @@ def source_to_proto(
     if source.checksums is not None:  # sent also when the layout is omitted: it changes every version
         try:
             msg.checksums.block_bytes = source.checksums.block_bytes
-            msg.checksums.sums.extend(source.checksums.sums)
-        except (TypeError, ValueError, AttributeError) as exc:
+            msg.checksums.sums_le64 = PackedSums.of(source.checksums.sums).packed  # no int per block
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise InvalidArgument(f"source.checksums: cannot encode: {exc}") from None
     if source.delta is not None:  # sent also when the layout is omitted: it changes every version
         _fill_delta(msg.delta, source.delta)
@@ -338,10 +339,7 @@ def source_from_proto(
         layout_digest=digest,
         incarnation=msg.incarnation,
         cuda_ipc=cuda_ipc,
-        checksums=(
-            BlockChecksums(msg.checksums.block_bytes, tuple(msg.checksums.sums))
-            if msg.HasField("checksums") else None
-        ),
+        checksums=checksums_from_proto(msg.checksums, f"{field}.checksums") if msg.HasField("checksums") else None,
         mirrors=tuple(Mirror(m.source_id, m.source_addr, m.nbytes, m.addr) for m in msg.mirrors),
         lease_fence_s=msg.lease_fence_s,
         revision=msg.revision,
@@ -351,6 +349,17 @@ def source_from_proto(
         ),
         delta=delta_from_proto(msg.delta) if msg.HasField("delta") else None,
     )
+
+
+def checksums_from_proto(msg: pb.BlockChecksums, field: str) -> BlockChecksums:
+    """The packed form (``sums_le64``) with one buffer view when set, else the older repeated
+    ``sums`` (packed once here, so every later use is the same)."""
+    packed = msg.sums_le64
+    if packed:
+        if len(packed) % 8:
+            raise InvalidArgument(f"{field}.sums_le64: {len(packed)} bytes, not a multiple of 8 (one int64 per block)")
+        return BlockChecksums(msg.block_bytes, PackedSums(packed))
+    return BlockChecksums(msg.block_bytes, PackedSums.of(msg.sums))
 
 
 _DELTA_FORMS = {

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Sequence
 
 from mx_refit.errors import InvalidArgument
-from mx_refit.types import DTYPE_SIZES, BlockChecksums, DeltaForm, SourceDelta, TensorDelta, TensorDescriptor
+from mx_refit.types import DTYPE_SIZES, BlockChecksums, DeltaForm, PackedSums, SourceDelta, TensorDelta, TensorDescriptor
 
 __all__ = [
     "BLOCK",
@@ -65,8 +65,7 @@ def checksums_digest(checksums: BlockChecksums | None) -> str:
     equal exactly when the block size and every sum are."""
     if checksums is None:
         return ""
-    sums = checksums.sums
-    packed = struct.pack(f"<Q{len(sums)}q", checksums.block_bytes, *sums)
+    packed = struct.pack("<Q", checksums.block_bytes) + PackedSums.of(checksums.sums).packed
     return hashlib.sha256(packed).hexdigest()
 
 
