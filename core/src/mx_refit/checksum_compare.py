@@ -5,7 +5,7 @@ name the first bad block."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import ChecksumMismatch
 from mx_refit.types import PackedSums, SourceInfo
@@ -14,9 +14,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-    from mx_refit.checksums import Verification
-
 __all__ = ["device_sums", "expected_sums", "raise_mismatch"]
+
+# ``verification`` below is a mx_refit.checksums.Verification (not imported: checksums imports
+# this module, and core modules import no cycle, not even for types).
 
 
 def device_sums(sums: PackedSums, device: "torch.device") -> "torch.Tensor":
@@ -32,7 +33,7 @@ def device_sums(sums: PackedSums, device: "torch.device") -> "torch.Tensor":
 
 
 def expected_sums(
-    verification: Verification, sources: dict[str, SourceInfo], device: "torch.device"
+    verification: Any, sources: dict[str, SourceInfo], device: "torch.device"
 ) -> "torch.Tensor":
     """Every verified block's published sum in block order (:meth:`Verification.blocks`), built
     on ``device`` by one gather per source (the index tensors are kept per device)."""
@@ -51,7 +52,7 @@ def expected_sums(
     return want
 
 
-def raise_mismatch(got: "np.ndarray", want: "np.ndarray", verification: Verification) -> None:
+def raise_mismatch(got: "np.ndarray", want: "np.ndarray", verification: Any) -> None:
     """The first differing block (by arena slot) named: tensor, block, byte range, source."""
     import numpy as np
 
