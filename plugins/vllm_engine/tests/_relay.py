@@ -8,6 +8,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qsl
 
 from mx_refit.testing.procs import Group
 
@@ -23,6 +24,11 @@ class Relay:
         "/finish_weight_update": ("finish_weight_update", None),
     }
 
+    # vLLM's /pause and /resume act on the engine core's scheduler, which these workers (vLLM's
+    # Worker without a scheduler) do not have: the relay records them, so tests see where a
+    # trainer paused relative to the update calls.
+    CONTROL = ("/pause", "/resume")
+
     def __init__(self) -> None:
         self.group: Group | None = None
         self.calls: list[tuple[str, Any]] = []
@@ -32,7 +38,15 @@ class Relay:
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null") if length else None
-                route = relay.ROUTES.get(self.path)
+                path, _, query = self.path.partition("?")
+                if path in relay.CONTROL:
+                    relay.calls.append((path[1:], dict(parse_qsl(query))))
+                    self.send_response(200)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"{}")
+                    return
+                route = relay.ROUTES.get(path)
                 if route is None or relay.group is None:
                     self.send_error(404)
                     return

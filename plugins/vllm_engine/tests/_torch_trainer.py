@@ -18,7 +18,8 @@ from mx_refit.testing.procs import open_child, rank_arguments, serve
 
 class TrainerRank:
     def __init__(
-        self, rank: int, world: int, dist_init: str, catalog: str, model_name: str, relay: str, hf_dir: str
+        self, rank: int, world: int, dist_init: str, catalog: str, model_name: str, relay: str, hf_dir: str,
+        staged: bool = True,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -60,6 +61,7 @@ class TrainerRank:
             ready_timeout_s=120.0,
             drain_timeout_s=120.0,
             worker={"load_batch_bytes": 64 << 10},
+            staged=staged,
         )
         self.engine = WeightTransferTrainerFactory.trainer_init(
             info, client=HTTPVLLMWeightSyncClient(relay, timeout=300), source=self.source
@@ -93,9 +95,11 @@ def main() -> None:
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--relay", required=True)
     parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--load", action="store_true", help="MxTrainerInitInfo(staged=False)")
     args = parser.parse_args()
     opened = open_child(args.listen, lambda: TrainerRank(
-        args.rank, args.world, args.dist_init, args.catalog, args.model_name, args.relay, args.hf_dir
+        args.rank, args.world, args.dist_init, args.catalog, args.model_name, args.relay, args.hf_dir,
+        staged=not args.load,
     ))
     if opened is None:
         return

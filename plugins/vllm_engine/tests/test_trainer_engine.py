@@ -18,7 +18,7 @@ from mx_refit.testing.procs import rendezvous_url, start_group, vllm_python
 
 
 @pytest.fixture
-def trainers(mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[int, Path], log_dir: Path):
+def trainers(request, mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[int, Path], log_dir: Path):
     relay.group = tp1.group
     rendezvous = rendezvous_url(log_dir)
     args = [
@@ -37,6 +37,7 @@ def trainers(mx_catalog: str, model_name: str, relay: Relay, tp1, ckpts: dict[in
             relay.url,
             "--hf-dir",
             str(ckpts[0]),
+            *(["--load"] if getattr(request, "param", "staged") == "load" else []),
         ]
         for r in range(2)
     ]
@@ -59,12 +60,14 @@ def test_dtensor_trainer_drives_vllm_worker_over_http(
     tp1.current = ckpts[1]
     with pytest.raises(AssertionError, match="differ from qwen2-v0"):
         tp1.check(ckpts[0])  # the byte comparison does tell versions apart
-    assert [m for m, _ in relay.calls[-3:]] == [
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
+    # Staged (the default): the pull starts unpaused; generation is paused for the commit only.
+    calls = relay.calls[-6:]
+    assert [m for m, _ in calls] == [
+        "start_weight_update", "update_weights", "pause", "update_weights", "finish_weight_update", "resume",
     ]
-    assert relay.calls[-2][1]["update_info"]["version"] == 1
+    assert calls[1][1]["update_info"]["version"] == 1 and calls[1][1]["update_info"]["phase"] == "stage"
+    assert calls[2][1] == {"mode": "wait", "clear_cache": "false"}
+    assert calls[3][1]["update_info"]["phase"] == "commit"
     registrations = tp1.stats()[0]["registrations"]
     arenas = tp1.stats()[0]["arenas"]
 
@@ -79,3 +82,43 @@ def test_dtensor_trainer_drives_vllm_worker_over_http(
     assert stats["registrations"] == registrations, "the receive arena was registered again"
     assert stats["arenas"] == arenas, "the receive arena was reallocated"
     assert not stats["active"] and not stats["session"]
+
+
+@pytest.mark.parametrize("trainers", ["load"], indirect=True)
+def test_direct_trainer_path_pauses_generation_around_the_load(
+    trainers, tp1, relay: Relay, ckpts: dict[int, Path]
+) -> None:
+    """``MxTrainerInitInfo(staged=False)``: one ``phase="load"`` with generation paused around
+    the whole update session."""
+    trainers.call("send", (3, str(ckpts[3])))
+    tp1.check(ckpts[3])
+    tp1.current = ckpts[3]
+    calls = relay.calls[-5:]
+    assert [m for m, _ in calls] == ["pause", "start_weight_update", "update_weights", "finish_weight_update",
+                                     "resume"]
+    assert calls[2][1]["update_info"]["phase"] == "load" and calls[2][1]["update_info"]["version"] == 3
+
+
+def test_a_client_that_cannot_pause_is_refused() -> None:
+    """vLLM's Ray client has no pause route: the trainer refuses it at once, naming ``pause=False``;
+    a client with ``pause_generation``/``resume_generation`` is paused through them."""
+    from vllm.distributed.weight_transfer import RayVLLMWeightSyncClient
+
+    from mx_refit.errors import InvalidArgument
+    from mx_refit_vllm.trainer import pause_controls
+
+    with pytest.raises(InvalidArgument, match="RayVLLMWeightSyncClient cannot pause generation.*pause=False"):
+        pause_controls(RayVLLMWeightSyncClient([]), "wait")
+    seen: list[tuple[str, str | None]] = []
+
+    class Pausable:
+        def pause_generation(self, mode: str) -> None:
+            seen.append(("pause", mode))
+
+        def resume_generation(self) -> None:
+            seen.append(("resume", None))
+
+    pause, resume = pause_controls(Pausable(), "keep")
+    pause()
+    resume()
+    assert seen == [("pause", "keep"), ("resume", None)]

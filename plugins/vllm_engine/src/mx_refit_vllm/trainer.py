@@ -23,15 +23,17 @@ supported range (:data:`mx_refit_vllm.SUPPORTED_VLLM`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 
 import mx_refit
-from mx_refit.config import DEFAULT_SOURCE_TTL_S, check_count
+from mx_refit.config import DEFAULT_SOURCE_TTL_S, check_count, check_flag, check_mode
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import MeshPosition, PublishedTensor, Role
 from mx_refit_vllm import BACKEND, SUPPORTED_VLLM, register
@@ -67,6 +69,8 @@ __all__ = ["MxTrainerInitInfo", "MxTrainerWeightTransferEngine", "local_piece"]
 
 log = logging.getLogger(__name__)
 
+PAUSE_MODES = ("wait", "abort", "keep")  # vLLM's PauseMode
+
 
 @dataclass
 class MxTrainerInitInfo(TrainerInitInfo):
@@ -79,6 +83,17 @@ class MxTrainerInitInfo(TrainerInitInfo):
         Every rank must agree; pick e.g. the training step when resuming.
     :param worker: Extra :class:`~mx_refit_vllm.infos.MxInitInfo` fields forwarded to the
         workers at ``init_weight_transfer_engine`` (``arena_device``, ``load_batch_bytes``, ...).
+    :param staged: Start the workers' pull (``phase="stage"``) before pausing generation; the
+        pause then covers the commit (the rest of the pull, if any, and the placement), and the
+        pull overlaps the pause's drain of in-flight requests. ``False``: one ``phase="load"``
+        inside the pause.
+    :param pause: Pause generation around the load (or the commit) so no request sees a mix of
+        versions: through the client's ``pause_generation(mode=...)`` / ``resume_generation()``
+        when it has them (a wrapper around vLLM's engine client), or vLLM's ``/pause`` and
+        ``/resume`` routes for ``HTTPVLLMWeightSyncClient``. A client that can do neither is
+        refused at ``trainer_init``; set ``False`` only when nothing generates during refits.
+    :param pause_mode: vLLM's pause mode: ``"wait"`` (in-flight requests finish first),
+        ``"abort"`` or ``"keep"`` (frozen in the queue, resumed after).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -93,8 +108,14 @@ class MxTrainerInitInfo(TrainerInitInfo):
     update_timeout_s: float = 600.0
     source_ttl_s: float = DEFAULT_SOURCE_TTL_S
     worker: dict[str, Any] = field(default_factory=dict)
+    staged: bool = True
+    pause: bool = True
+    pause_mode: str = "wait"
 
     def __post_init__(self) -> None:
+        check_flag(self.staged, "MxTrainerInitInfo.staged")
+        check_flag(self.pause, "MxTrainerInitInfo.pause")
+        check_mode(self.pause_mode, "MxTrainerInitInfo.pause_mode", PAUSE_MODES)
         check_count(self.world_size, "MxTrainerInitInfo.world_size", minimum=1)
         if check_count(self.rank, "MxTrainerInitInfo.rank", minimum=0) >= self.world_size:
             raise InvalidArgument(
@@ -119,6 +140,26 @@ class MxTrainerInitInfo(TrainerInitInfo):
             return MxInitInfo(catalog=self.catalog, model=self.model, token=self.token, **self.worker)
         except TypeError as exc:
             raise InvalidArgument(f"MxTrainerInitInfo.worker: {exc}") from exc
+
+
+def pause_controls(client: Any, mode: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(pause, resume)`` for ``client``: its own ``pause_generation`` / ``resume_generation``
+    methods, else vLLM's ``/pause?mode=`` and ``/resume`` routes for its HTTP client.
+
+    :raises InvalidArgument: the client can do neither (names ``pause=False``).
+    """
+    own_pause = getattr(client, "pause_generation", None)
+    own_resume = getattr(client, "resume_generation", None)
+    if callable(own_pause) and callable(own_resume):
+        return (lambda: own_pause(mode=mode)), own_resume
+    post = getattr(client, "_post", None)
+    if type(client).__name__ == "HTTPVLLMWeightSyncClient" and callable(post):
+        return (lambda: post(f"pause?mode={mode}&clear_cache=false")), (lambda: post("resume"))
+    raise InvalidArgument(
+        f"MxTrainerInitInfo.pause: {type(client).__name__} cannot pause generation (no "
+        "pause_generation/resume_generation methods, not vLLM's HTTP client); give a client that "
+        "can, or set pause=False if nothing generates while the weights are loaded"
+    )
 
 
 def _coordinate(index: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -217,6 +258,8 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             # Covers the workers' leases, so they load without waiting for their release's answer.
             lease_fence_s=init_info.worker_init_info().lease_ttl_s,
         )
+        if init_info.pause and init_info.is_sender:
+            pause_controls(client, init_info.pause_mode)  # refuse a client that cannot pause now
         engine = cls(client=client, source=source, info=init_info, publisher=publisher)
         if engine.is_sender:
             client.init_weight_transfer_engine(init_info.worker_init_info().to_dict())
@@ -232,10 +275,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
         if self.is_sender:
             try:
                 self.publisher.wait_ready(v, timeout_s=self.info.ready_timeout_s)
-                self.client.start_weight_update()
-                # A plain dict: it travels as JSON over HTTP, Ray or Dynamo's engine routes.
-                self.client.update_weights(MxUpdateInfo(version=v).to_dict())
-                self.client.finish_weight_update(str(v))
+                self._drive_workers(v)
             except BaseException:
                 # No worker may lease a version whose update failed; keep the original error.
                 try:
@@ -251,6 +291,37 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
                 v, timeout_s=info.ready_timeout_s + info.update_timeout_s + info.drain_timeout_s
             )
         self.next_version = v + 1
+
+    def _drive_workers(self, v: int) -> None:
+        """Rank 0: have every worker load ``v``, generation paused around the load (or staged
+        unpaused first, then paused around the commit). Update infos are plain dicts: they
+        travel as JSON over HTTP, Ray or Dynamo's engine routes."""
+        client = self.client
+        if self.info.staged:
+            client.start_weight_update()
+            client.update_weights(MxUpdateInfo(version=v, phase="stage").to_dict())  # returns at once
+            with self._paused():
+                client.update_weights(MxUpdateInfo(phase="commit").to_dict())
+                client.finish_weight_update(str(v))
+        else:
+            with self._paused():
+                client.start_weight_update()
+                client.update_weights(MxUpdateInfo(version=v).to_dict())
+                client.finish_weight_update(str(v))
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Generation paused for the block (a no-op with ``pause=False``); resumed even when the
+        block raises, so a failed update never leaves the server paused."""
+        if not self.info.pause:
+            yield
+            return
+        pause, resume = pause_controls(self.client, self.info.pause_mode)
+        pause()
+        try:
+            yield
+        finally:
+            resume()
 
     def _collect(self) -> list[PublishedTensor]:
         assert self.source is not None
