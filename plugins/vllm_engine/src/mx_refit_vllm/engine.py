@@ -115,7 +115,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self.params = None
         whole: tuple[str, ...] | None = None
         if init_info.rank_exact:
-            self.params = ParamMap(self.model, self._coords["tp_rank"], self._coords["tp_size"])
+            self.params = ParamMap(
+                self.model, self._coords["tp_rank"], self._coords["tp_size"], self._coords["ep_size"]
+            )
             whole = self._whole_prefixes(self.params)
         # An FP8 engine asks for fp8_block (whole tensors); others for rank-exact windows.
         self.layout = target_layout(self.parallel_config, quant_config, whole)

@@ -19,10 +19,13 @@ from vLLM itself, never from a table per model:
   conventions (:func:`planner_vocab_window` repeats its vocabulary rule); a layer whose vLLM
   metadata disagrees with them is *unproven*.
 
+Fused-MoE experts (``w13_weight``/``w2_weight`` stacks) are placed by :mod:`mx_refit_vllm.moe`
+from the module's own expert mapping, expert map and ``weight_loader`` rules.
+
 A module is placeable only when writing the bytes into its parameters is all vLLM's loader
 would do: no quantization method other than the unquantized ones, and no post-load repacking
 already applied (vLLM's CPU GEMM dispatch packs weights into ``cpu_linear``). Everything else
-(fused-MoE experts, quantized layers, added vocabulary, unknown layer classes) is unproven: the
+(quantized layers or experts, added vocabulary, unknown layer classes) is unproven: the
 worker asks for those tensors whole (``TargetLayout.whole_prefixes``) and vLLM's own
 ``load_weights`` loads them, with one warning naming each.
 """
@@ -32,6 +35,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from mx_refit_vllm.moe import ExpertIndex, is_fused_moe, moe_problem
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -62,6 +67,7 @@ class Placement:
     ``src``: ``(dim, lo, hi)`` of the HF tensor this rank receives (``None``: whole).
     ``dst``: ``(dim, offset, length)`` of the parameter it fills (``None``: the whole parameter).
     ``zero_rows_from``: rows of the parameter from here on are vocabulary padding (zeroed).
+    ``expert``: the row of a stacked fused-MoE parameter (``src``/``dst`` are then within it).
     """
 
     hf_name: str
@@ -70,10 +76,11 @@ class Placement:
     src: tuple[int, int, int] | None
     dst: tuple[int, int, int] | None
     zero_rows_from: int | None = None
+    expert: int | None = None
 
     def window_shape(self) -> tuple[int, ...]:
         """The shape of the tensor the planner sends for this placement."""
-        shape = list(self.param.shape)
+        shape = list(self.param.shape if self.expert is None else self.param.shape[1:])
         if self.dst is not None:
             dim, _, length = self.dst
             shape[dim] = length
@@ -83,7 +90,7 @@ class Placement:
 
     def place(self, tensor: torch.Tensor) -> None:
         """Copy the received window into the parameter (and zero the vocabulary padding)."""
-        data = self.param.data
+        data = self.param.data if self.expert is None else self.param.data[self.expert]
         if self.zero_rows_from is not None:
             data[: self.zero_rows_from].copy_(tensor)
             data[self.zero_rows_from :].zero_()
@@ -97,9 +104,9 @@ class Placement:
 class ParamMap:
     """HF name -> :class:`Placement` for one vLLM worker's model (see module docs)."""
 
-    def __init__(self, model: torch.nn.Module, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, tp_rank: int, tp_size: int, ep_size: int = 1) -> None:
         self.model = model
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.ep_size = tp_rank, tp_size, ep_size
         self.params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
         self.modules: dict[str, Any] = dict(model.named_modules(remove_duplicate=False))
         packed = getattr(model, "packed_modules_mapping", None) or {}
@@ -114,6 +121,12 @@ class ParamMap:
             why = self._module_problem(module)
             if why is not None and any(True for _ in module.parameters(recurse=False)):
                 self.unproven[prefix] = why
+        # Fused-MoE layer name (the HF prefix of its experts) -> (module prefix, expert index).
+        self.moe: dict[str, tuple[str, ExpertIndex]] = {
+            m.layer_name: (prefix, ExpertIndex(m))
+            for prefix, m in self.modules.items()
+            if is_fused_moe(m) and prefix not in self.unproven and isinstance(getattr(m, "layer_name", None), str)
+        }
 
     # -- which modules are placeable -------------------------------------------------------
     def _module_problem(self, module: Any) -> str | None:
@@ -124,6 +137,8 @@ class ParamMap:
         )
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+        if is_fused_moe(module):
+            return moe_problem(module, self.tp_size, self.ep_size)
         method = getattr(module, "quant_method", None)
         if method is not None and type(method).__name__ not in _PLACEABLE_METHODS:
             return f"{type(method).__name__} (post-load processing the planner cannot reproduce)"
@@ -207,6 +222,9 @@ class ParamMap:
             if not prefix:
                 continue
             prefixes.add(f"{prefix}.")
+            layer = getattr(self.modules.get(prefix), "layer_name", None)
+            if is_fused_moe(self.modules.get(prefix)) and isinstance(layer, str):
+                prefixes.add(f"{layer}.")  # HF expert names hang off the layer, not the module
             parent, _, leaf = prefix.rpartition(".")
             for sub, fused, _ in self.packed:
                 if leaf == fused:
@@ -219,6 +237,10 @@ class ParamMap:
         unproven module, tied or dropped name, a name the model does not have)."""
         if self.tied and hf_name.startswith("lm_head."):
             return None  # vLLM skips it: the embedding is the head
+        if self.moe:
+            expert = self._expert_placement(hf_name)
+            if expert is not None:
+                return expert
         resolved = self.resolve(hf_name)
         if resolved is None:
             return None
@@ -229,12 +251,29 @@ class ParamMap:
         param = self.params[param_name]
         return self._place(hf_name, param_name, param, module, shard)
 
+    def _expert_placement(self, hf_name: str) -> Placement | None:
+        """A fused-MoE expert tensor's placement (this rank's experts only), or ``None``."""
+        cut = hf_name.find(".")
+        while cut > 0:
+            hit = self.moe.get(hf_name[:cut])
+            if hit is not None:
+                prefix, index = hit
+                found = index.find(hf_name)
+                if found is None:
+                    return None
+                attr, local, src, dst = found
+                param_name = f"{prefix}.{attr}"
+                return Placement(hf_name, param_name, self.params[param_name], src, dst, expert=local)
+            cut = hf_name.find(".", cut + 1)
+        return None
+
     def _place(
         self, hf_name: str, param_name: str, param: Any, module: Any, shard: int | None
     ) -> Placement | None:
         from vllm.model_executor.layers.linear import (
             MergedColumnParallelLinear,
             QKVParallelLinear,
+            ReplicatedLinear,
             RowParallelLinear,
         )
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -268,6 +307,8 @@ class ParamMap:
                              (out_dim, offset, sizes[shard]))
         if shard is not None:
             return None  # packed into a layer kind not derived here
+        if isinstance(module, ReplicatedLinear):  # e.g. a MoE router (GateLinear): every rank whole
+            return Placement(hf_name, param_name, param, None, None)
         if isinstance(module, RowParallelLinear) and in_dim is not None:
             n = module.input_size_per_partition
             lo = module.tp_rank * n
