@@ -34,7 +34,8 @@ def window(name, full, cfg, c):
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         lo, hi = planner_vocab_window(full.shape[0], T, t)
         return full[lo:hi]
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                      "up_proj.weight")):
         return full.chunk(T, dim=0)[t]
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return full.chunk(T, dim=1)[t]
@@ -55,7 +56,9 @@ def main() -> None:
 
     parallel = ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=ep)
     vc = VllmConfig(
-        model_config=ModelConfig(model=live_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True),
+        model_config=ModelConfig(
+            model=live_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True
+        ),
         parallel_config=parallel,
         device_config=DeviceConfig(device="cpu"),
     )
@@ -76,7 +79,9 @@ def main() -> None:
     live_p, ref_p = dict(live.named_parameters()), dict(reference.named_parameters())
     differ_before = [n for n in live_p if not torch.equal(live_p[n], ref_p[n])]
     placed, rest = pm.place(windows)
-    mismatched = [n for n in live_p if not torch.equal(live_p[n].view(torch.uint8), ref_p[n].view(torch.uint8))]
+    mismatched = [
+        n for n in live_p if not torch.equal(live_p[n].view(torch.uint8), ref_p[n].view(torch.uint8))
+    ]
     expert_params = [p for n, p in live_p.items() if n.endswith(("w13_weight", "w2_weight"))]
     print(json.dumps({
         "coords": coords,

@@ -88,8 +88,11 @@ def _run(world: int, ep: bool, ckpts: tuple[Path, Path]) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = [str(world), "1" if ep else "0", f"tcp://127.0.0.1:{port}", str(ckpts[0]), str(ckpts[1])]
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_moe_worker.py"), str(r), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen([sys.executable, str(HERE / "_moe_worker.py"), str(r), *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
     reports = []
     for proc in procs:
         out, err = proc.communicate(timeout=500)
@@ -112,7 +115,8 @@ def test_fused_moe_experts_placed_rank_exactly(world: int, ep: bool, moe_ckpts: 
         assert r["mismatched"] == [] and r["rest"] == [], (rank, r["mismatched"], r["rest"])
         assert r["placed_bytes"] == r["window_bytes"]  # every received byte went into a parameter
         # Only its own expert bytes: 1/TP of every expert, or its EP block of whole experts.
-        assert r["expert_window_bytes"] == r["expert_param_bytes"] == layers * experts * 3 * h * inter * 4 // world
+        own = layers * experts * 3 * h * inter * 4 // world  # fp32
+        assert r["expert_window_bytes"] == r["expert_param_bytes"] == own
         # The per-module fallback stays loud and names the HF prefix it must receive whole.
         assert len(r["wrong_ep_unproven"]) == layers, r["wrong_ep_unproven"]
         assert all("fused MoE" in why for why in r["wrong_ep_unproven"].values())

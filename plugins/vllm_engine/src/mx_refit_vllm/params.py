@@ -125,7 +125,8 @@ class ParamMap:
         self.moe: dict[str, tuple[str, ExpertIndex]] = {
             m.layer_name: (prefix, ExpertIndex(m))
             for prefix, m in self.modules.items()
-            if is_fused_moe(m) and prefix not in self.unproven and isinstance(getattr(m, "layer_name", None), str)
+            if is_fused_moe(m) and prefix not in self.unproven
+            and isinstance(getattr(m, "layer_name", None), str)
         }
 
     # -- which modules are placeable -------------------------------------------------------
