@@ -8,13 +8,17 @@ asked for three targets and reports ``bytes_pulled`` (wire) and ``arena_bytes`` 
 outside the parameters):
 
 * ``full``: ``full_tensors=True``, what the vLLM plugin asked for before issue 21;
-* ``plugin``: what the vLLM plugin asks for now on this model: rank windows for every dense
-  module, the fused-MoE experts whole (``whole_prefixes``: the parameter map does not place
-  ``FusedMoE`` parameters yet, so vLLM's loader narrows them);
-* ``exact``: every tensor as the rank's window (experts TP-sliced), the lower bound.
+* ``plugin``: what the vLLM plugin asks for now: every tensor as the rank's window (dense
+  modules and, since the parameter map places vLLM's fused-MoE ``w13``/``w2`` stacks, the
+  experts TP-sliced); for an unquantized model on a Triton MoE backend nothing is pulled whole;
+* ``moe_whole`` (MoE model only): the fused-MoE experts whole (``whole_prefixes``), what the
+  plugin asked for before it placed ``FusedMoE`` parameters, and still its fallback for an
+  unproven MoE module;
+* ``ep`` (MoE model only): vLLM with expert parallelism over the TP ranks (the layout announces
+  EP): the rank's contiguous block of whole experts, dense modules TP-sliced.
 
     python benchmarks/bench_rank_exact.py --table                         # Qwen3-8B, TP 1, 2, 4, 8
-    python benchmarks/bench_rank_exact.py --model qwen3-30b-a3b --table   # the MoE model
+    python benchmarks/bench_rank_exact.py --model qwen3-30b-a3b --table --rank0-only  # the MoE model
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def _bench_planner():
     return module
 
 
-def measure(tp_sizes: list[int], model: str) -> dict[str, object]:
+def measure(tp_sizes: list[int], model: str, rank0_only: bool = False) -> dict[str, object]:
     planner = _bench_planner()
     if model == "qwen3-8b":
         version = planner.manifest(tp=4, pp=1, dp=2, ep=1, config=planner.QWEN3_8B)
@@ -51,12 +55,18 @@ def measure(tp_sizes: list[int], model: str) -> dict[str, object]:
         experts = tuple(f"model.layers.{L}.mlp.experts." for L in range(layers))
     rows = []
     for tp in tp_sizes:
-        for rank in range(tp):
+        for rank in range(1 if rank0_only else tp):
             targets = {
                 "full": TargetLayout(tp_rank=rank, tp_size=tp),
-                "plugin": TargetLayout(tp_rank=rank, tp_size=tp, full_tensors=False, whole_prefixes=experts),
-                "exact": TargetLayout(tp_rank=rank, tp_size=tp, full_tensors=False),
+                "plugin": TargetLayout(tp_rank=rank, tp_size=tp, full_tensors=False),
             }
+            if experts:
+                targets["moe_whole"] = TargetLayout(
+                    tp_rank=rank, tp_size=tp, full_tensors=False, whole_prefixes=experts
+                )
+                targets["ep"] = TargetLayout(
+                    tp_rank=rank, tp_size=tp, ep_rank=rank, ep_size=tp, full_tensors=False
+                )
             row: dict[str, object] = {"tp": tp, "rank": rank}
             for kind, target in targets.items():
                 plan = plan_receive(version, target)
@@ -68,16 +78,15 @@ def measure(tp_sizes: list[int], model: str) -> dict[str, object]:
 
 def table(result: dict[str, object]) -> str:
     gib = float(1 << 30)
+    rows = result["rows"]  # type: ignore[index]
+    kinds = [k for k in ("full", "moe_whole", "plugin", "ep") if f"{k}_wire" in rows[0]]  # type: ignore[index]
     lines = [
-        "| TP | rank | full wire / arena GiB | plugin wire / arena GiB | exact wire / arena GiB | plugin / full |",
-        "|---|---|---|---|---|---|",
+        "| TP | rank | " + " | ".join(f"{k} wire / arena GiB" for k in kinds) + " | plugin / full |",
+        "|---|---|" + "---|" * (len(kinds) + 1),
     ]
-    for r in result["rows"]:  # type: ignore[attr-defined]
-        lines.append(
-            f"| {r['tp']} | {r['rank']} | {r['full_wire'] / gib:.2f} / {r['full_arena'] / gib:.2f} | "
-            f"{r['plugin_wire'] / gib:.2f} / {r['plugin_arena'] / gib:.2f} | "
-            f"{r['exact_wire'] / gib:.2f} / {r['exact_arena'] / gib:.2f} | {r['plugin_wire'] / r['full_wire']:.3f} |"
-        )
+    for r in rows:  # type: ignore[attr-defined]
+        cells = " | ".join(f"{r[f'{k}_wire'] / gib:.2f} / {r[f'{k}_arena'] / gib:.2f}" for k in kinds)
+        lines.append(f"| {r['tp']} | {r['rank']} | {cells} | {r['plugin_wire'] / r['full_wire']:.3f} |")
     return "\n".join(lines)
 
 
@@ -86,8 +95,9 @@ def main() -> None:
     parser.add_argument("--tp", default="1,2,4,8", help="receiver TP sizes, comma separated")
     parser.add_argument("--table", action="store_true", help="also print a Markdown table (stderr)")
     parser.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b")
+    parser.add_argument("--rank0-only", action="store_true", help="only rank 0 of each TP size")
     args = parser.parse_args()
-    result = measure([int(t) for t in args.tp.split(",")], args.model)
+    result = measure([int(t) for t in args.tp.split(",")], args.model, args.rank0_only)
     if args.table:
         print(table(result), file=sys.stderr)
     print(json.dumps(result))
