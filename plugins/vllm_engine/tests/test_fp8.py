@@ -3,8 +3,8 @@
 byte for byte, a block-FP8 engine asks for ``fp8_block`` and a BF16 one for ``hf_raw``, and an
 FP8 refit hands the engine exactly the checkpoint vLLM's quantiser would have written.
 
-vLLM 0.33 cannot build block-FP8 linear layers on a CPU without AMX (``CPUFp8BlockScaledMMKernel``
-requires Sapphire Rapids or newer), so the model-level load is left to GPU machines."""
+The model-level proof (a block-FP8 vLLM model loading a refit equals it loading the reference
+FP8 checkpoint, TP 1 and 2) is ``test_fp8_load.py``."""
 
 from __future__ import annotations
 
