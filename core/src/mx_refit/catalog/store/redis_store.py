@@ -185,7 +185,7 @@ class RedisStore(CatalogStore):
         # One held connection, the transaction framed by hand so that a call costs two round
         # trips: (UNWATCH, WATCH gen, GET gen, TIME) and (MULTI ... EXEC); redis-py's WATCH
         # pipeline sends each of the first four on its own.
-        conn = self._redis.connection_pool.get_connection()
+        conn = _pooled_connection(self._redis.connection_pool)
         try:
             return self._attempt_on(conn, body)
         except BaseException:
@@ -375,3 +375,12 @@ def _link_leases(state: CatalogState, fields: list[tuple[Any, Any]]) -> None:
         state.leases[lease.lease_id] = rec.leases[lease.lease_id] = lease
         state.deadlines.set(lease, expires_at, new=True)
     state.deadlines.track_leases = True  # from now on: what was loaded is no change
+
+
+def _pooled_connection(pool: Any) -> Any:
+    """A connection from ``pool``: redis-py before 5.3 requires a command name here (the
+    floors pin 5.0), later versions deprecate passing one."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("MULTI")
