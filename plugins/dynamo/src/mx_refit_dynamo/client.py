@@ -128,6 +128,12 @@ class DynamoRefitClient:
         self._updated: set[str] = set()
         self._unpaused_stage = False  # refit_staged: the session opened and staged unpaused
 
+    @property
+    def pauses_generation(self) -> bool:
+        """Whether this client pauses the workers around its own update session (``pause``):
+        vLLM's trainer engine then adds no pause of its own."""
+        return self.pause
+
     @classmethod
     def from_frontend(
         cls,

@@ -143,11 +143,15 @@ class MxTrainerInitInfo(TrainerInitInfo):
 
 
 def pause_controls(client: Any, mode: str) -> tuple[Callable[[], None], Callable[[], None]]:
-    """``(pause, resume)`` for ``client``: its own ``pause_generation`` / ``resume_generation``
-    methods, else vLLM's ``/pause?mode=`` and ``/resume`` routes for its HTTP client.
+    """``(pause, resume)`` for ``client``: nothing for a client that says it pauses around its
+    own update session (``pauses_generation``, e.g. Dynamo's), its own ``pause_generation`` /
+    ``resume_generation`` methods, else vLLM's ``/pause?mode=`` and ``/resume`` routes for its
+    HTTP client.
 
     :raises InvalidArgument: the client can do neither (names ``pause=False``).
     """
+    if getattr(client, "pauses_generation", False):  # it pauses around its own update session
+        return (lambda: None), (lambda: None)
     own_pause = getattr(client, "pause_generation", None)
     own_resume = getattr(client, "resume_generation", None)
     if callable(own_pause) and callable(own_resume):
