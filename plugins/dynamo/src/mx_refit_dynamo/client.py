@@ -219,17 +219,21 @@ class DynamoRefitClient:
             )
 
         def update(worker: DynamoWorker) -> None:
-            body = self._update_body("update_weights", update_info=payloads[worker.system_url])
-            try:
-                self._post(worker, "update_weights_from_distributed", body)
-            except _RouteError:
-                self._started.discard(worker.system_url)  # vLLM closed the session itself
-                raise
-            self._updated.add(worker.system_url)
+            self._post_update(worker, payloads[worker.system_url])
 
         _, failures = self._each(self.workers, update)
         if failures:
             self._abort("update_weights", failures)
+
+    def _post_update(self, worker: DynamoWorker, update_info: Any) -> None:
+        """One ``update_weights`` call into ``worker``'s open session."""
+        body = self._update_body("update_weights", update_info=update_info)
+        try:
+            self._post(worker, "update_weights_from_distributed", body)
+        except _RouteError:
+            self._started.discard(worker.system_url)  # vLLM closed the session itself
+            raise
+        self._updated.add(worker.system_url)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Finish every open session (Dynamo records ``weight_version`` and resets the prefix
@@ -323,13 +327,7 @@ class DynamoRefitClient:
             if self.pause:
                 self._post(worker, "pause_generation", {"mode": self.pause_mode, "clear_cache": False})
                 self._paused.add(worker.system_url)
-            body = self._update_body("update_weights", update_info={"phase": "commit"})
-            try:
-                self._post(worker, "update_weights_from_distributed", body)
-            except _RouteError:
-                self._started.discard(worker.system_url)  # vLLM closed the session itself
-                raise
-            self._updated.add(worker.system_url)
+            self._post_update(worker, {"phase": "commit"})
 
         _, failures = self._each(self.workers, commit)
         if failures:
