@@ -472,9 +472,10 @@ class CudaIpcTransport:
         end.record(lanes.streams[0])
         t2 = time.perf_counter()
         # Poll rather than block: a blocking wait wakes up ~0.1 ms late, a tenth of a 10,000 x
-        # 256 KiB pull. The poll lasts only as long as the copies.
+        # 256 KiB pull. The poll lasts only as long as the copies, and yields the GIL each turn:
+        # a stage runs on a thread beside a serving loop, which a spinning poll would starve.
         while not end.query():
-            pass
+            time.sleep(0)
         end.synchronize()  # returns at once; raises what the copies raised
         t3 = time.perf_counter()
         self.last_streams = max(len(groups), 1 if batch is not None else 0)
