@@ -24,7 +24,9 @@ DDP) and rewrite them in place every version (after the previous version drained
 
 Cases (``--cases``, comma separated, each ``[Rx]tpT[epE]``): R replicas of a vLLM worker group at
 TP=T (and EP=E: E workers, worker w at tp_rank w % T, ep_rank w, experts whole), every worker
-with ``full_tensors=False``. Workers are placed round robin on ``--receiver-gpus``; several may
+with ``full_tensors=False`` (the windows the vLLM plugin asks for since it pulls rank-exact:
+``mx_refit_vllm.layout``; the plugin then copies each window into its fused parameter, a load
+this benchmark does not run). Workers are placed round robin on ``--receiver-gpus``; several may
 share a GPU. Default: matched (the trainers' TP, or TPxEP), replicas at TP=2 filling the receiver
 GPUs, and one TP=1 receiver.
 
