@@ -15,11 +15,14 @@ Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
 * ``NS gen`` — ``LINEAGE:TOKEN``: a random lineage made when the key is first written (a flushed
   Redis makes a new one, and so does a document that vanished after a commit), and a random
   token that every commit replaces (``new`` before the first).
+* ``NS log`` — the change log: per commit (the last 128), its parent and new token and what it
+  wrote (:mod:`~mx_refit.catalog.store.redis_log`).
 
 Each call is optimistic, on one held connection in two round trips: ``UNWATCH``, ``WATCH gen``,
-``GET gen``, ``TIME`` in one write; load the document and the leases if ``gen`` changed since this
-process last saw it; run the call on the Python state, then ``MULTI`` (new blobs, document,
-touched lease fields, a new ``gen`` token, dropped blobs) ``EXEC`` in one write; a concurrent
+``GET gen``, ``TIME`` in one write; if ``gen`` changed since this process last saw it, read what
+the commits since changed (the change log names it) or, when the log does not lead from this
+process's token to ``gen``, load the document and every lease; run the call on the Python state, then ``MULTI`` (new blobs, document,
+touched lease fields, a new ``gen`` token, its log entry, dropped blobs) ``EXEC`` in one write; a concurrent
 commit aborts the ``EXEC`` and the call runs again on the fresh state. The cache check compares
 random tokens, not a counter: a Redis that rolled back (restarted from an older snapshot) and took
 other commits since cannot make an old ``gen`` come back, so no process runs on a stale state and overwrites newer commits.
@@ -48,9 +51,11 @@ from typing import Any, TypeVar
 import redis
 from redis.exceptions import RedisError, WatchError
 
-from mx_refit.catalog._records import EndedLeases, LeaseRecord
+from mx_refit.catalog._records import EndedLeases
+from mx_refit.catalog.store import redis_log
 from mx_refit.catalog.store.base import CatalogState, CatalogStore, Txn
 from mx_refit.catalog.store.codec import StateCodec
+from mx_refit.catalog.store.redis_log import lease_text, link_leases
 from mx_refit.errors import InvalidArgument, Unavailable
 
 __all__ = ["DEFAULT_NAMESPACE", "RedisStore"]
@@ -65,6 +70,11 @@ ENDED_LEASES_KEPT = 1024
 _MAX_ATTEMPTS = 200  # optimistic retries of one call under contention
 _POLL_MAX_S = 0.05
 _NEW = "new"  # the token of a lineage that has no document yet
+
+
+class _CacheKept(WatchError):
+    """A commit landed while this process read what changed: run the call again, on the cached
+    state as it was (nothing was applied to it)."""
 
 
 def _fresh_state() -> CatalogState:
@@ -98,12 +108,15 @@ class RedisStore(CatalogStore):
         self._doc_key = f"{namespace}doc"
         self._leases_key = f"{namespace}leases"
         self._ended_key = f"{namespace}ended"
+        self._log_key = f"{namespace}log"
         self._codec = StateCodec(blob_prefix=f"{namespace}blob:")
         self._cond = threading.Condition(threading.Lock())  # serialises this process's calls
         self._state: CatalogState | None = None  # as of ``_generation``; None: load it
         self._generation = ""  # the ``gen`` value the cached state was loaded or committed at
         self._document = ""
         self._blob_keys: set[str] = set()  # blobs the document at ``_generation`` refers to
+        # How this process brought its cache up to another process's commits (tests, benchmarks).
+        self.reloads = {"full": 0, "incremental": 0}
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r})"
@@ -164,8 +177,9 @@ class RedisStore(CatalogStore):
             for attempt in range(_MAX_ATTEMPTS):
                 try:
                     return self._attempt(body)
-                except WatchError:  # another process committed first: run again on its state
-                    self._state = None
+                except WatchError as exc:  # another process committed first: run again on its state
+                    if not isinstance(exc, _CacheKept):  # else the cache is as it was, still valid
+                        self._state = None
                     time.sleep(random.uniform(0, min(0.001 * 2**attempt, 0.02)))
                 except Unavailable:
                     self._state = None
@@ -213,7 +227,8 @@ class RedisStore(CatalogStore):
             seconds, micros = replies[3]
             now = int(seconds) + int(micros) / 1e6
         if self._state is None or generation != self._generation:
-            self._load(conn, generation)
+            if self._state is None or not self._catch_up(conn, generation):
+                self._load(conn, generation)
         assert self._state is not None
         txn = Txn(self._state, now, generation, epoch=epoch)
         result = body(txn)
@@ -224,7 +239,7 @@ class RedisStore(CatalogStore):
             return result  # nothing changed: nothing to write (the next call's UNWATCH clears the WATCH)
         keys = set(blobs)
         committed = f"{lineage}:{uuid.uuid4().hex}"
-        live: dict[Any, Any] = {lease.lease_id: _lease_text(lease) for lease in touched if not lease.dead}
+        live: dict[Any, Any] = {lease.lease_id: lease_text(lease) for lease in touched if not lease.dead}
         ended = {lease.lease_id for lease in touched if lease.dead} - set(live)
         writes: list[tuple[Any, ...]] = [("SET", key, blobs[key]) for key in keys - self._blob_keys]
         if document != self._document:
@@ -240,6 +255,9 @@ class RedisStore(CatalogStore):
             writes.append(("HSET", self._ended_key, *(x for lease_id, entry in ended_changes.items()
                                                        if entry is not None for x in (lease_id, json.dumps(entry)))))
         writes.append(("SET", self._gen_key, committed))
+        entry = redis_log.log_entry(generation, committed, document != self._document, {*live, *ended},
+                                    ended_changes)
+        writes += [("RPUSH", self._log_key, entry), ("LTRIM", self._log_key, -redis_log.LOG_KEPT, -1)]
         stale = self._blob_keys - keys
         if stale:
             writes.append(("DEL", *stale))
@@ -264,31 +282,79 @@ class RedisStore(CatalogStore):
             # state starts again under a new lineage, and with it a new epoch.
             logger.warning("catalog store %s: the catalog document vanished; starting a new epoch", self.url)
             _batch(conn, [("MULTI",), ("SET", self._gen_key, f"{uuid.uuid4().hex[:16]}:{_NEW}"),
-                          ("DEL", self._leases_key, self._ended_key), ("EXEC",)])
+                          ("DEL", self._leases_key, self._ended_key, self._log_key), ("EXEC",)])
             raise WatchError("the catalog's document vanished")
         if raw is None:
             self._state, self._document, self._blob_keys = _fresh_state(), "", set()
             self._state.deadlines.track_leases = True
         else:
             document = _text(raw)
-            keys = self._codec.blob_keys(document)
-            missing = [k for k in keys if k not in self._codec.cached_blobs()]
-            texts: dict[str, Any] = {}
-            if missing:
-                values, now_at = _batch(conn, [("MGET", *missing), ("GET", self._gen_key)])
-                if now_at is None or _text(now_at) != generation:
-                    raise WatchError("a commit landed (and may have dropped blobs) while the state was loading")
-                texts = dict(zip(missing, values, strict=True))
-            lost = [k for k, v in texts.items() if v is None]
-            if lost:
-                raise Unavailable(f"catalog store {self.url}: the document refers to missing blobs {lost[:3]}")
-            state = self._codec.decode(document, {k: _text(v) for k, v in texts.items()})
-            if not isinstance(state, CatalogState):
-                raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
-            _link_leases(state, _pairs(lease_fields))
+            state, self._blob_keys = self._decode(conn, document, generation)
+            link_leases(state, _pairs(lease_fields))
             state.ended_leases = _ended_leases(_pairs(ended_fields))
-            self._state, self._document, self._blob_keys = state, document, set(keys)
+            self._state, self._document = state, document
         self._generation = generation
+        self.reloads["full"] += 1
+
+    def _decode(self, conn: Any, document: str, generation: str) -> tuple[CatalogState, set[str]]:
+        """The state ``document`` holds (without its leases), fetching the blobs this process has
+        not decoded yet, and the keys of every blob it refers to."""
+        keys = self._codec.blob_keys(document)
+        missing = [k for k in keys if k not in self._codec.cached_blobs()]
+        texts: dict[str, Any] = {}
+        if missing:
+            values, now_at = _batch(conn, [("MGET", *missing), ("GET", self._gen_key)])
+            if now_at is None or _text(now_at) != generation:
+                raise WatchError("a commit landed (and may have dropped blobs) while the state was loading")
+            texts = dict(zip(missing, values, strict=True))
+        lost = [k for k, v in texts.items() if v is None]
+        if lost:
+            raise Unavailable(f"catalog store {self.url}: the document refers to missing blobs {lost[:3]}")
+        state = self._codec.decode(document, {k: _text(v) for k, v in texts.items()})
+        if not isinstance(state, CatalogState):
+            raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
+        return state, set(keys)
+
+    def _catch_up(self, conn: Any, generation: str) -> bool:
+        """Bring the cached state from ``_generation`` to ``generation`` by reading only what the
+        commits in between changed (:mod:`~mx_refit.catalog.store.redis_log`); False, changing
+        nothing, when the change log does not lead there (the caller loads everything)."""
+        assert self._state is not None
+        tail = _batch(conn, [("LRANGE", self._log_key, -redis_log.LOG_TAIL, -1)])[0]
+        changes = redis_log.chain(tail, self._generation, generation)
+        if changes is None and len(tail) >= redis_log.LOG_TAIL:  # further behind: the whole log
+            whole = _batch(conn, [("LRANGE", self._log_key, 0, -1)])[0]
+            changes = redis_log.chain(whole, self._generation, generation)
+        if changes is None:
+            return False
+        leases, ended = sorted(changes.leases), sorted(changes.ended)
+        reads: list[tuple[Any, ...]] = [("GET", self._doc_key)] if changes.document else []
+        reads += [("HMGET", self._leases_key, *leases)] if leases else []
+        reads += [("HMGET", self._ended_key, *ended)] if ended else []
+        # As of one instant under the WATCH on gen (a commit since makes EXEC nil), then WATCH again.
+        replies = _batch(conn, [("MULTI",), *reads, ("EXEC",), ("WATCH", self._gen_key), ("GET", self._gen_key)])
+        values, now_at = replies[-3], replies[-1]
+        if values is None or now_at is None or _text(now_at) != generation:
+            raise _CacheKept("a commit landed while the changes were read")
+        values, state = list(values), self._state
+        if changes.document:
+            raw = values.pop(0)
+            if raw is None:
+                return False  # the document vanished: the full load starts a new lineage
+            document = _text(raw)
+            try:
+                fresh, blob_keys = self._decode(conn, document, generation)
+            except WatchError:
+                raise _CacheKept("a commit landed while the document was read") from None
+            redis_log.transplant_leases(state, fresh, changes.leases)
+            state, self._document, self._blob_keys = fresh, document, blob_keys
+        if leases:
+            redis_log.apply_leases(state, dict(zip(leases, values.pop(0), strict=True)))
+        if ended:
+            redis_log.apply_ended(state.ended_leases, dict(zip(ended, values.pop(0), strict=True)))
+        self._state, self._generation = state, generation
+        self.reloads["incremental"] += 1
+        return True
 
     def wait_for_change(self, generation: object, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -306,13 +372,6 @@ class RedisStore(CatalogStore):
             except (RedisError, OSError) as exc:
                 raise Unavailable(f"catalog store {self.url}: {exc}") from None
             step = min(step * 2, _POLL_MAX_S)
-
-
-def _lease_text(lease: LeaseRecord) -> str:
-    """A live lease as its own key's value: its version (by model and number) and its fields."""
-    rec = lease.record
-    assert rec is not None, "a live lease belongs to a version"
-    return json.dumps([rec.model, rec.version, lease.reader_id, lease.ttl_s, lease.expires_at, list(lease.sources)])
 
 
 def _learn_run_id(connection: Any) -> None:
@@ -361,20 +420,6 @@ def _ended_leases(fields: list[tuple[Any, Any]]) -> EndedLeases:
     """The stored ended leases, oldest first (by when they ended), noting changes from now on."""
     entries = sorted(((_text(lease_id), tuple(json.loads(text))) for lease_id, text in fields), key=lambda e: e[1][1])
     return EndedLeases(keep=ENDED_LEASES_KEPT, ended=OrderedDict(entries), changes={})
-
-
-def _link_leases(state: CatalogState, fields: list[tuple[Any, Any]]) -> None:
-    """Link every stored lease to its version (one hash field per lease, see the module docstring)."""
-    for lease_id, text in fields:
-        model, version, reader_id, ttl_s, expires_at, sources = json.loads(text)
-        rec = state.models.get(model, {}).get(version)
-        if rec is None:  # its version is gone (cannot happen: a version with leases is kept)
-            continue
-        lease = LeaseRecord(ttl_s=ttl_s, expires_at=expires_at, lease_id=_text(lease_id), reader_id=reader_id,
-                            record=rec, sources=tuple(sources))
-        state.leases[lease.lease_id] = rec.leases[lease.lease_id] = lease
-        state.deadlines.set(lease, expires_at, new=True)
-    state.deadlines.track_leases = True  # from now on: what was loaded is no change
 
 
 def _pooled_connection(pool: Any) -> Any:

@@ -1,0 +1,180 @@
+"""The Redis store's change log: what each commit changed, so that a catalog process whose cache is
+a few commits behind (another ``mx-refit serve`` on the same Redis committed since its last call)
+reads only what changed, not every live lease.
+
+``NS log`` is a list. Every commit appends one entry in the same ``MULTI``/``EXEC`` as its writes
+(and trims the list to the last :data:`LOG_KEPT`): ``[parent, token, document, leases, ended]``,
+the ``gen`` token the commit was made on (the one it WATCHed), the token it wrote, whether it
+rewrote the control document, and the ids of the lease fields (``NS leases``) and ended-lease
+fields (``NS ended``) it wrote or deleted. A commit that changed more than :data:`LOG_IDS_MAX`
+fields logs ``[parent, token, null]``: whoever was at ``parent`` reloads everything.
+
+A process whose state is cached at token ``T`` while ``gen`` is ``G`` looks for the chain of
+entries ``T -> ... -> G`` (each entry's parent the previous entry's token) and, when it finds
+it, reads the document (if any entry rewrote it) and the named fields, as of ``G``, in one
+``MULTI``/``EXEC`` under the ``WATCH`` on ``gen``. Anything else is a full reload: ``T`` not in
+the log (a rollback or restart that lost ``T``, a trimmed log, a flushed or recreated lineage,
+``DEBUG RELOAD``), a broken chain, a null entry.
+
+Why this keeps every rollback guarantee: the log lives in the same Redis as the state it
+describes and is written in the same transaction, so whatever state Redis comes back with (a
+snapshot, an AOF cut at a transaction boundary, a promoted replica) holds the log of exactly its
+own history. Tokens are random and each is written once, so ``T`` names one state; if the
+current log leads from ``T`` to ``G``, the state at ``G`` was made from the state at ``T`` by
+those entries' writes and no other. A commit a rollback lost never comes back into the log, so a
+process cached at it always reloads in full; a rollback is never read as "nothing changed"
+(the epoch, :attr:`~mx_refit.catalog.store.base.Txn.epoch`, changes as before).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mx_refit.catalog._records import EndedLeases, LeaseRecord
+from mx_refit.catalog.store.base import CatalogState
+
+__all__ = ["LOG_IDS_MAX", "LOG_KEPT", "LOG_TAIL", "Changes", "apply_ended", "apply_leases", "chain", "lease_text",
+           "link_leases", "log_entry", "transplant_leases"]
+
+LOG_KEPT = 128  # entries kept: a process more commits behind reloads everything
+LOG_TAIL = 16  # entries read first (a process that is further behind reads the whole log)
+LOG_IDS_MAX = 256  # fields one entry names; a commit that changed more logs "reload everything"
+
+
+@dataclass
+class Changes:
+    """What the commits from a cached token up to the current one changed (union)."""
+
+    document: bool = False
+    leases: set[str] = field(default_factory=set)
+    ended: set[str] = field(default_factory=set)
+
+
+def log_entry(parent: str, token: str, document: bool, leases: Iterable[str], ended: Iterable[str]) -> str:
+    """The log entry of the commit of ``token`` made on ``parent``."""
+    lease_ids, ended_ids = sorted(leases), sorted(ended)
+    if len(lease_ids) + len(ended_ids) > LOG_IDS_MAX:
+        return json.dumps([parent, token, None])
+    return json.dumps([parent, token, document, lease_ids, ended_ids])
+
+
+def chain(raw: list[Any], cached: str, target: str) -> Changes | None:
+    """The changes from ``cached`` to ``target`` in the log entries ``raw`` (oldest first), or
+    None when ``raw`` holds no unbroken chain of listed changes between them."""
+    entries = [json.loads(_text(item)) for item in raw]
+    start = next((i for i, entry in enumerate(entries) if entry[0] == cached), None)
+    if start is None:
+        return None
+    changes, at = Changes(), cached
+    for parent, token, *listed in entries[start:]:
+        if parent != at or listed[0] is None:
+            return None  # a broken chain (cannot happen within one history) or "reload everything"
+        document, leases, ended = listed
+        changes.document |= bool(document)
+        changes.leases.update(leases)
+        changes.ended.update(ended)
+        at = token
+        if at == target:
+            return changes
+    return None  # the log does not reach the current token
+
+
+def lease_text(lease: LeaseRecord) -> str:
+    """A live lease as its own field's value: its version (by model and number) and its fields."""
+    rec = lease.record
+    assert rec is not None, "a live lease belongs to a version"
+    return json.dumps([rec.model, rec.version, lease.reader_id, lease.ttl_s, lease.expires_at, list(lease.sources)])
+
+
+def _new_lease(state: CatalogState, lease_id: str, text: Any) -> LeaseRecord | None:
+    """The stored lease ``lease_id``, linked to its version (None when its version is gone, which
+    cannot happen: a version with live leases is kept)."""
+    model, version, reader_id, ttl_s, expires_at, sources = json.loads(_text(text))
+    rec = state.models.get(model, {}).get(version)
+    if rec is None:
+        return None
+    lease = LeaseRecord(ttl_s=ttl_s, expires_at=expires_at, lease_id=lease_id, reader_id=reader_id,
+                        record=rec, sources=tuple(sources))
+    state.leases[lease_id] = rec.leases[lease_id] = lease
+    state.deadlines.set(lease, expires_at, new=True)
+    return lease
+
+
+def link_leases(state: CatalogState, fields: list[tuple[Any, Any]]) -> None:
+    """Link every stored lease (``NS leases``' fields) to its version, in a freshly loaded state."""
+    for lease_id, text in fields:
+        _new_lease(state, _text(lease_id), text)
+    state.deadlines.track_leases = True  # from now on: what was loaded is no change
+    state.deadlines.take_touched()
+
+
+def _unlink(state: CatalogState, lease: LeaseRecord) -> None:
+    lease.dead = True  # its heap entry is skipped when it comes up
+    state.leases.pop(lease.lease_id, None)
+    rec, lease.record = lease.record, None
+    if rec is not None:
+        rec.leases.pop(lease.lease_id, None)
+
+
+def apply_leases(state: CatalogState, fields: dict[str, Any]) -> None:
+    """Bring the live leases named in ``fields`` (id -> the field's stored value, None when it is
+    deleted) to what another process committed; others stay as they are."""
+    for lease_id, text in fields.items():
+        held = state.leases.get(lease_id)
+        if text is None:
+            if held is not None:
+                _unlink(state, held)
+            continue
+        model, version, reader_id, ttl_s, expires_at, sources = json.loads(_text(text))
+        rec = held.record if held is not None else None
+        if held is not None and rec is not None and (rec.model, rec.version) == (model, version):
+            held.reader_id, held.ttl_s, held.sources = reader_id, ttl_s, tuple(sources)
+            state.deadlines.set(held, expires_at)  # a later deadline is followed lazily
+            continue
+        if held is not None:
+            _unlink(state, held)
+        _new_lease(state, lease_id, text)
+    state.deadlines.take_touched()  # another process's commit: nothing for this one to write
+
+
+def apply_ended(ended: EndedLeases, fields: dict[str, Any]) -> None:
+    """Bring the ended leases named in ``fields`` (id -> stored value, None: dropped) to what
+    another process committed, kept oldest first by when they ended (as a full load orders them)."""
+    memory = ended.ended
+    unordered = False
+    for lease_id, text in fields.items():
+        if text is None:
+            memory.pop(lease_id, None)
+            continue
+        entry = tuple(json.loads(_text(text)))
+        memory.pop(lease_id, None)
+        unordered |= bool(memory) and next(reversed(memory.values()))[1] > entry[1]
+        memory[lease_id] = entry  # type: ignore[assignment]
+    if unordered:
+        ended.ended = OrderedDict(sorted(memory.items(), key=lambda item: item[1][1]))
+
+
+def transplant_leases(old: CatalogState, new: CatalogState, skip: set[str]) -> None:
+    """Move the live leases of ``old`` (but those in ``skip``, which the caller applies next) and its
+    ended leases into ``new``, a state just decoded from a newer document."""
+    new.ended_leases = old.ended_leases
+    for lease_id, lease in old.leases.items():
+        if lease_id in skip:
+            continue
+        held = lease.record
+        rec = new.models.get(held.model, {}).get(held.version) if held is not None else None
+        if rec is None:
+            continue
+        lease.record = rec
+        new.leases[lease_id] = rec.leases[lease_id] = lease
+        new.deadlines.set(lease, lease.expires_at, new=True)
+    new.deadlines.track_leases = True
+    new.deadlines.take_touched()
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
