@@ -38,7 +38,7 @@ from mx_refit.catalog._records import EndedLeases, LeaseRecord
 from mx_refit.catalog.store.base import CatalogState
 
 __all__ = ["LOG_IDS_MAX", "LOG_KEPT", "LOG_TAIL", "Changes", "apply_ended", "apply_leases", "chain", "lease_text",
-           "link_leases", "log_entry", "transplant_leases"]
+           "link_leases", "log_entry", "transplant"]
 
 LOG_KEPT = 128  # entries kept: a process more commits behind reloads everything
 LOG_TAIL = 16  # entries read first (a process that is further behind reads the whole log)
@@ -158,21 +158,31 @@ def apply_ended(ended: EndedLeases, fields: dict[str, Any]) -> None:
         ended.ended = OrderedDict(sorted(memory.items(), key=lambda item: item[1][1]))
 
 
-def transplant_leases(old: CatalogState, new: CatalogState, skip: set[str]) -> None:
-    """Move the live leases of ``old`` (but those in ``skip``, which the caller applies next) and its
-    ended leases into ``new``, a state just decoded from a newer document."""
-    new.ended_leases = old.ended_leases
-    for lease_id, lease in old.leases.items():
-        if lease_id in skip:
-            continue
-        held = lease.record
-        rec = new.models.get(held.model, {}).get(held.version) if held is not None else None
-        if rec is None:
-            continue
-        lease.record = rec
-        new.leases[lease_id] = rec.leases[lease_id] = lease
-        new.deadlines.set(lease, lease.expires_at, new=True)
-    new.deadlines.track_leases = True
+def transplant(old: CatalogState, new: CatalogState) -> None:
+    """Carry what ``old`` holds outside its document (live and ended leases, the deadline heap)
+    into ``new``, a state just decoded from a newer document, at a cost that does not grow with
+    the leases: each version keeps its record object (its leases point at it) with the new
+    document's content, and the heap keeps its lease entries (the old sources' entries are
+    skipped, the new sources get theirs)."""
+    for model, versions in new.models.items():
+        kept = old.models.get(model, {})
+        for number, rec in versions.items():
+            prior = kept.get(number)
+            if prior is not None:
+                leases = prior.leases
+                prior.__dict__.update(rec.__dict__)
+                prior.leases = leases
+                versions[number] = prior
+    for model, versions in old.models.items():
+        for number, prior in versions.items():
+            if new.models.get(model, {}).get(number) is not prior:  # gone (a version with leases is kept)
+                for lease in list(prior.leases.values()):
+                    _unlink(old, lease)
+    for life in old.sources.values():
+        life.dead = True  # its heap entry is skipped; the new document's one replaces it
+    new.leases, new.ended_leases, new.deadlines = old.leases, old.ended_leases, old.deadlines
+    for life in new.sources.values():
+        new.deadlines.set(life, life.expires_at, new=True)
     new.deadlines.take_touched()
 
 

@@ -346,7 +346,7 @@ class RedisStore(CatalogStore):
                 fresh, blob_keys = self._decode(conn, document, generation)
             except WatchError:
                 raise _CacheKept("a commit landed while the document was read") from None
-            redis_log.transplant_leases(state, fresh, changes.leases)
+            redis_log.transplant(state, fresh)
             state, self._document, self._blob_keys = fresh, document, blob_keys
         if leases:
             redis_log.apply_leases(state, dict(zip(leases, values.pop(0), strict=True)))
