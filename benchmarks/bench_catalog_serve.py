@@ -141,8 +141,9 @@ def main() -> None:
     counts = [int(n) for n in args.live_leases.split(",")]
     with tempfile.TemporaryDirectory() as workdir:
         rows = run(counts, args.repeat, args.core_src.resolve(), Path(workdir))
-    import mx_refit
     import redis
+
+    import mx_refit
 
     results = {"live_leases": counts, "repeat": args.repeat, "core_src": str(args.core_src),
                "mx_refit": mx_refit.__file__, "python": platform.python_version(), "redis_py": redis.__version__,

@@ -18,14 +18,17 @@ Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
 * ``NS log`` — the change log: per commit (the last 128), its parent and new token and what it
   wrote (:mod:`~mx_refit.catalog.store.redis_log`).
 
-Each call is optimistic, on one held connection in two round trips: ``UNWATCH``, ``WATCH gen``,
-``GET gen``, ``TIME`` in one write; if ``gen`` changed since this process last saw it, read what
-the commits since changed (the change log names it) or, when the log does not lead from this
-process's token to ``gen``, load the document and every lease; run the call on the Python state, then ``MULTI`` (new blobs, document,
-touched lease fields, a new ``gen`` token, its log entry, dropped blobs) ``EXEC`` in one write; a concurrent
-commit aborts the ``EXEC`` and the call runs again on the fresh state. The cache check compares
-random tokens, not a counter: a Redis that rolled back (restarted from an older snapshot) and took
-other commits since cannot make an old ``gen`` come back, so no process runs on a stale state and overwrites newer commits.
+Each call is optimistic, on one held connection: ``UNWATCH``, ``WATCH gen``, ``GET gen``,
+``TIME`` in one write; if ``gen`` changed since this process last saw it, read only what the
+commits since changed (the change log leads from this process's token to ``gen``: the log's tail,
+then the named fields in one ``MULTI``/``EXEC``) or else load the document and every lease; run
+the call on the Python state, then ``MULTI`` (new blobs, document, touched lease fields, a new
+``gen`` token, its log entry, dropped blobs) ``EXEC`` in one write. A concurrent commit aborts the
+``EXEC`` and the call runs again on the fresh state. Two round trips when this process made the
+last commit, four after another process's commit (five when it brought new blobs). The cache
+check compares random tokens, not a counter: a Redis that rolled back (restarted from an older snapshot) and took other commits since
+cannot make an old ``gen`` come back, nor put it in the log, so no process runs on a stale state
+and overwrites newer commits.
 
 The store's *epoch* (:attr:`~mx_refit.catalog.store.base.Txn.epoch`) is the Redis server's
 ``run_id`` (new at every server start and on the replica a failover promotes; read on every new
