@@ -1,6 +1,7 @@
 """Redis round trips per catalog store call: socket writes of redis-py's connections (each
-write is followed by reading its replies) during a renewal, a lease + release, and a lease +
-release by a second store on the same Redis right after the first one's commits.
+write is followed by reading its replies) during a renewal, a lease + release, a lease +
+release by a second store on the same Redis right after the first one's commits (its first
+call: a full load), and two stores taking turns (each call right after the other's commit).
 
     python benchmarks/count_catalog_round_trips.py [REPO_ROOT]   # REPO_ROOT: a checkout whose store to count
 """
@@ -52,6 +53,11 @@ def main() -> None:
             count("lease + release", lambda: first.release_lease(first.acquire_lease("m", 1, "r", ttl_s=60)))
             count("lease + release by a second store after the first's commits",
                   lambda: second.release_lease(second.acquire_lease("m", 1, "r", ttl_s=60)))
+            count("a renewal by the second store right after the first's renewal",
+                  lambda: (first.heartbeat(lease_ids=[mine]), writes.__setitem__(0, 0),
+                           second.heartbeat(lease_ids=[mine])))
+            count("lease through one store, release through the other (each call one commit behind)",
+                  lambda: second.release_lease(first.acquire_lease("m", 1, "r", ttl_s=60)))
         finally:
             server.stop()
 

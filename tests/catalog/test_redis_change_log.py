@@ -158,7 +158,7 @@ def test_a_process_far_behind_reads_the_whole_log_and_one_past_it_reloads_in_ful
 
 
 def test_a_commit_too_large_to_list_makes_the_others_reload_in_full(rig, monkeypatch) -> None:
-    monkeypatch.setattr(redis_log, "LOG_IDS_MAX", 3)
+    monkeypatch.setattr(redis_log, "LOG_ENTRY_MAX_CHARS", 400)  # a lease's field: ~150 characters
     one, two = rig.catalog(), rig.catalog()
     publish_ready(one, "m", 1)
     for i in range(5):

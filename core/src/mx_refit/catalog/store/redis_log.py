@@ -1,20 +1,22 @@
-"""The Redis store's change log: what each commit changed, so that a catalog process whose cache is
+"""The Redis store's change log: what each commit wrote, so that a catalog process whose cache is
 a few commits behind (another ``mx-refit serve`` on the same Redis committed since its last call)
-reads only what changed, not every live lease.
+applies just those writes instead of reloading every live lease.
 
 ``NS log`` is a list. Every commit appends one entry in the same ``MULTI``/``EXEC`` as its writes
 (and trims the list to the last :data:`LOG_KEPT`): ``[parent, token, document, leases, ended]``,
 the ``gen`` token the commit was made on (the one it WATCHed), the token it wrote, whether it
-rewrote the control document, and the ids of the lease fields (``NS leases``) and ended-lease
-fields (``NS ended``) it wrote or deleted. A commit that changed more than :data:`LOG_IDS_MAX`
-fields logs ``[parent, token, null]``: whoever was at ``parent`` reloads everything.
+rewrote the control document, and the lease fields (``NS leases``) and ended-lease fields
+(``NS ended``) it wrote, each id with the value written (null: deleted). A commit whose entry
+would exceed :data:`LOG_ENTRY_MAX_CHARS` logs ``[parent, token, null]``: whoever was at
+``parent`` reloads everything.
 
 A process whose state is cached at token ``T`` while ``gen`` is ``G`` looks for the chain of
-entries ``T -> ... -> G`` (each entry's parent the previous entry's token) and, when it finds
-it, reads the document (if any entry rewrote it) and the named fields, as of ``G``, in one
-``MULTI``/``EXEC`` under the ``WATCH`` on ``gen``. Anything else is a full reload: ``T`` not in
-the log (a rollback or restart that lost ``T``, a trimmed log, a flushed or recreated lineage,
-``DEBUG RELOAD``), a broken chain, a null entry.
+entries ``T -> ... -> G`` (each entry's parent the previous entry's token; the last entry comes
+with every call's first read, so one commit behind costs no extra round trip) and applies their
+writes in order; a rewritten document is read as of ``G`` under the ``WATCH`` on ``gen``.
+Anything else is a full reload: ``T`` not in the log (a rollback or restart that lost ``T``, a
+trimmed log, a flushed or recreated lineage, ``DEBUG RELOAD`` to an older dump), a broken chain,
+a null entry.
 
 Why this keeps every rollback guarantee: the log lives in the same Redis as the state it
 describes and is written in the same transaction, so whatever state Redis comes back with (a
@@ -23,48 +25,48 @@ own history. Tokens are random and each is written once, so ``T`` names one stat
 current log leads from ``T`` to ``G``, the state at ``G`` was made from the state at ``T`` by
 those entries' writes and no other. A commit a rollback lost never comes back into the log, so a
 process cached at it always reloads in full; a rollback is never read as "nothing changed"
-(the epoch, :attr:`~mx_refit.catalog.store.base.Txn.epoch`, changes as before).
+(and the epoch, :attr:`~mx_refit.catalog.store.base.Txn.epoch`, changes as before).
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mx_refit.catalog._records import EndedLeases, LeaseRecord
 from mx_refit.catalog.store.base import CatalogState
 
-__all__ = ["LOG_IDS_MAX", "LOG_KEPT", "LOG_TAIL", "Changes", "apply_ended", "apply_leases", "chain", "lease_text",
+__all__ = ["LOG_ENTRY_MAX_CHARS", "LOG_KEPT", "LOG_TAIL", "Changes", "apply_ended", "apply_leases", "chain", "lease_text",
            "link_leases", "log_entry", "transplant"]
 
 LOG_KEPT = 128  # entries kept: a process more commits behind reloads everything
 LOG_TAIL = 16  # entries read first (a process that is further behind reads the whole log)
-LOG_IDS_MAX = 256  # fields one entry names; a commit that changed more logs "reload everything"
+LOG_ENTRY_MAX_CHARS = 16384  # a commit that wrote more logs "reload everything" (a mass expiry)
 
 
 @dataclass
 class Changes:
-    """What the commits from a cached token up to the current one changed (union)."""
+    """What the commits from a cached token up to the current one wrote: whether the document, and
+    each lease and ended-lease field's last value (None: deleted)."""
 
     document: bool = False
-    leases: set[str] = field(default_factory=set)
-    ended: set[str] = field(default_factory=set)
+    leases: dict[str, Any] = field(default_factory=dict)
+    ended: dict[str, Any] = field(default_factory=dict)
 
 
-def log_entry(parent: str, token: str, document: bool, leases: Iterable[str], ended: Iterable[str]) -> str:
-    """The log entry of the commit of ``token`` made on ``parent``."""
-    lease_ids, ended_ids = sorted(leases), sorted(ended)
-    if len(lease_ids) + len(ended_ids) > LOG_IDS_MAX:
-        return json.dumps([parent, token, None])
-    return json.dumps([parent, token, document, lease_ids, ended_ids])
+def log_entry(parent: str, token: str, document: bool, leases: dict[str, str | None],
+              ended: dict[str, str | None]) -> str:
+    """The log entry of the commit of ``token`` made on ``parent`` that wrote ``leases`` and
+    ``ended`` (field -> value, None: deleted)."""
+    entry = json.dumps([parent, token, document, leases, ended])
+    return entry if len(entry) <= LOG_ENTRY_MAX_CHARS else json.dumps([parent, token, None])
 
 
 def chain(raw: list[Any], cached: str, target: str) -> Changes | None:
-    """The changes from ``cached`` to ``target`` in the log entries ``raw`` (oldest first), or
-    None when ``raw`` holds no unbroken chain of listed changes between them."""
+    """The writes from ``cached`` to ``target`` in the log entries ``raw`` (oldest first), or
+    None when ``raw`` holds no unbroken chain of listed entries between them."""
     entries = [json.loads(_text(item)) for item in raw]
     start = next((i for i, entry in enumerate(entries) if entry[0] == cached), None)
     if start is None:
@@ -75,7 +77,7 @@ def chain(raw: list[Any], cached: str, target: str) -> Changes | None:
             return None  # a broken chain (cannot happen within one history) or "reload everything"
         document, leases, ended = listed
         changes.document |= bool(document)
-        changes.leases.update(leases)
+        changes.leases.update(leases)  # a later write of a field wins
         changes.ended.update(ended)
         at = token
         if at == target:

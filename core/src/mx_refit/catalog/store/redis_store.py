@@ -15,20 +15,21 @@ Layout (``NS`` is the key prefix, ``mx-refit:catalog:`` by default):
 * ``NS gen`` — ``LINEAGE:TOKEN``: a random lineage made when the key is first written (a flushed
   Redis makes a new one, and so does a document that vanished after a commit), and a random
   token that every commit replaces (``new`` before the first).
-* ``NS log`` — the change log: per commit (the last 128), its parent and new token and what it
-  wrote (:mod:`~mx_refit.catalog.store.redis_log`).
+* ``NS log`` — the change log: per commit (the last 128), its parent and new token and the
+  lease and ended-lease fields it wrote (:mod:`~mx_refit.catalog.store.redis_log`).
 
-Each call is optimistic, on one held connection: ``UNWATCH``, ``WATCH gen``, ``GET gen``,
-``TIME`` in one write; if ``gen`` changed since this process last saw it, read only what the
-commits since changed (the change log leads from this process's token to ``gen``: the log's tail,
-then the named fields in one ``MULTI``/``EXEC``) or else load the document and every lease; run
-the call on the Python state, then ``MULTI`` (new blobs, document, touched lease fields, a new
+Each call is optimistic, on one held connection: ``UNWATCH``, ``WATCH gen``, ``GET gen``, the
+change log's last entry, ``TIME`` in one write; if ``gen`` changed since this process last saw it,
+apply what the commits since wrote (the change log leads from this process's token to ``gen``;
+one commit behind, the entry already read says it all) or else load the document and every lease;
+run the call on the Python state, then ``MULTI`` (new blobs, document, touched lease fields, a new
 ``gen`` token, its log entry, dropped blobs) ``EXEC`` in one write. A concurrent commit aborts the
-``EXEC`` and the call runs again on the fresh state. Two round trips when this process made the
-last commit, four after another process's commit (five when it brought new blobs). The cache
-check compares random tokens, not a counter: a Redis that rolled back (restarted from an older snapshot) and took other commits since
-cannot make an old ``gen`` come back, nor put it in the log, so no process runs on a stale state
-and overwrites newer commits.
+``EXEC`` and the call runs again on the fresh state. Two round trips per call, also right after
+another process's commit (one more when that commit rewrote the document, one or two more when
+several commits came between). The cache check compares random tokens, not a counter: a Redis
+that rolled back (restarted from an older snapshot) and took other commits since cannot make an
+old ``gen`` come back, nor put it in the log, so no process runs on a stale state and overwrites
+newer commits.
 
 The store's *epoch* (:attr:`~mx_refit.catalog.store.base.Txn.epoch`) is the Redis server's
 ``run_id`` (new at every server start and on the replica a failover promotes; read on every new
@@ -213,7 +214,9 @@ class RedisStore(CatalogStore):
             self._redis.connection_pool.release(conn)
 
     def _attempt_on(self, conn: Any, body: Callable[[Txn], T]) -> T:
-        reads: list[tuple[Any, ...]] = [("UNWATCH",), ("WATCH", self._gen_key), ("GET", self._gen_key)]
+        # The log's last entry too: after one commit by another process, all it takes to catch up.
+        reads: list[tuple[Any, ...]] = [("UNWATCH",), ("WATCH", self._gen_key), ("GET", self._gen_key),
+                                        ("LINDEX", self._log_key, -1)]
         if self._clock is None:
             reads.append(("TIME",))
         replies = _batch(conn, reads, check_health=True)  # the one place a health check may reconnect
@@ -227,10 +230,10 @@ class RedisStore(CatalogStore):
         if self._clock is not None:
             now = self._clock()
         else:
-            seconds, micros = replies[3]
+            seconds, micros = replies[4]
             now = int(seconds) + int(micros) / 1e6
         if self._state is None or generation != self._generation:
-            if self._state is None or not self._catch_up(conn, generation):
+            if self._state is None or not self._catch_up(conn, generation, replies[3]):
                 self._load(conn, generation)
         assert self._state is not None
         txn = Txn(self._state, now, generation, epoch=epoch)
@@ -254,12 +257,14 @@ class RedisStore(CatalogStore):
         gone = [lease_id for lease_id, entry in ended_changes.items() if entry is None]
         if gone:
             writes.append(("HDEL", self._ended_key, *gone))
+        ended_texts = {lease_id: None if entry is None else json.dumps(entry)
+                       for lease_id, entry in ended_changes.items()}
         if len(gone) < len(ended_changes):
-            writes.append(("HSET", self._ended_key, *(x for lease_id, entry in ended_changes.items()
-                                                       if entry is not None for x in (lease_id, json.dumps(entry)))))
+            writes.append(("HSET", self._ended_key, *(x for lease_id, text in ended_texts.items()
+                                                       if text is not None for x in (lease_id, text))))
         writes.append(("SET", self._gen_key, committed))
-        entry = redis_log.log_entry(generation, committed, document != self._document, {*live, *ended},
-                                    ended_changes)
+        entry = redis_log.log_entry(generation, committed, document != self._document,
+                                    {**dict.fromkeys(ended), **live}, ended_texts)
         writes += [("RPUSH", self._log_key, entry), ("LTRIM", self._log_key, -redis_log.LOG_KEPT, -1)]
         stale = self._blob_keys - keys
         if stale:
@@ -318,43 +323,40 @@ class RedisStore(CatalogStore):
             raise Unavailable(f"catalog store {self.url}: {self._doc_key} holds no catalog state")
         return state, set(keys)
 
-    def _catch_up(self, conn: Any, generation: str) -> bool:
-        """Bring the cached state from ``_generation`` to ``generation`` by reading only what the
-        commits in between changed (:mod:`~mx_refit.catalog.store.redis_log`); False, changing
-        nothing, when the change log does not lead there (the caller loads everything)."""
+    def _catch_up(self, conn: Any, generation: str, last: Any) -> bool:
+        """Bring the cached state from ``_generation`` to ``generation`` with what the commits in
+        between wrote (:mod:`~mx_refit.catalog.store.redis_log`; ``last``: the log's last entry,
+        read with ``gen``); False, changing nothing, when the log does not lead there (the caller
+        loads everything)."""
         assert self._state is not None
-        tail = _batch(conn, [("LRANGE", self._log_key, -redis_log.LOG_TAIL, -1)])[0]
-        changes = redis_log.chain(tail, self._generation, generation)
-        if changes is None and len(tail) >= redis_log.LOG_TAIL:  # further behind: the whole log
-            whole = _batch(conn, [("LRANGE", self._log_key, 0, -1)])[0]
-            changes = redis_log.chain(whole, self._generation, generation)
+        changes = redis_log.chain([last] if last is not None else [], self._generation, generation)
+        if changes is None:  # more than one commit behind: the log's tail, else all of it
+            tail = _batch(conn, [("LRANGE", self._log_key, -redis_log.LOG_TAIL, -1)])[0]
+            changes = redis_log.chain(tail, self._generation, generation)
+            if changes is None and len(tail) >= redis_log.LOG_TAIL:
+                whole = _batch(conn, [("LRANGE", self._log_key, 0, -1)])[0]
+                changes = redis_log.chain(whole, self._generation, generation)
         if changes is None:
             return False
-        leases, ended = sorted(changes.leases), sorted(changes.ended)
-        reads: list[tuple[Any, ...]] = [("GET", self._doc_key)] if changes.document else []
-        reads += [("HMGET", self._leases_key, *leases)] if leases else []
-        reads += [("HMGET", self._ended_key, *ended)] if ended else []
-        # As of one instant under the WATCH on gen (a commit since makes EXEC nil), then WATCH again.
-        replies = _batch(conn, [("MULTI",), *reads, ("EXEC",), ("WATCH", self._gen_key), ("GET", self._gen_key)])
-        values, now_at = replies[-3], replies[-1]
-        if values is None or now_at is None or _text(now_at) != generation:
-            raise _CacheKept("a commit landed while the changes were read")
-        values, state = list(values), self._state
+        state = self._state
         if changes.document:
-            raw = values.pop(0)
-            if raw is None:
+            # As of ``generation`` under the WATCH (a commit since makes EXEC nil), then WATCH again.
+            replies = _batch(conn, [("MULTI",), ("GET", self._doc_key), ("EXEC",), ("WATCH", self._gen_key),
+                                    ("GET", self._gen_key)])
+            values, now_at = replies[2], replies[4]
+            if values is None or now_at is None or _text(now_at) != generation:
+                raise _CacheKept("a commit landed while the document was read")
+            if values[0] is None:
                 return False  # the document vanished: the full load starts a new lineage
-            document = _text(raw)
+            document = _text(values[0])
             try:
                 fresh, blob_keys = self._decode(conn, document, generation)
             except WatchError:
-                raise _CacheKept("a commit landed while the document was read") from None
+                raise _CacheKept("a commit landed while the document's blobs were read") from None
             redis_log.transplant(state, fresh)
             state, self._document, self._blob_keys = fresh, document, blob_keys
-        if leases:
-            redis_log.apply_leases(state, dict(zip(leases, values.pop(0), strict=True)))
-        if ended:
-            redis_log.apply_ended(state.ended_leases, dict(zip(ended, values.pop(0), strict=True)))
+        redis_log.apply_leases(state, changes.leases)
+        redis_log.apply_ended(state.ended_leases, changes.ended)
         self._state, self._generation = state, generation
         self.reloads["incremental"] += 1
         return True
