@@ -10,7 +10,9 @@ an hour), timed, median of ``--repeat`` (and the 90th percentile):
   the other process's renewal committed since its last call;
 * ``lease + release``: a lease taken through one catalog and released through the other (which
   one leases alternates): every call finds the other's commit;
-* the same two through one catalog only (``one process``): the baseline, same run.
+* ``source heartbeat``: a publisher rank's heartbeat, to the two catalogs in turn (each renews
+  the source's deadline in the control document, so each call finds a rewritten document);
+* the same three through one catalog only (``one process``): the baseline, same run.
 
 ``--core-src`` runs the serve processes (and this process's set-up) on another checkout's
 ``core/src``, e.g. main's, for a before/after on the same box.
@@ -111,8 +113,11 @@ def run(counts: list[int], repeat: int, core_src: Path, workdir: Path) -> dict[s
                 leased = clients[i % 2 if turn else 0].acquire_lease("leases", 1, "r", ttl_s=60)
                 clients[(i + 1) % 2 if turn else 0].release_lease(leased)
 
+            def beat(i: int, turn: bool) -> None:  # a publisher's heartbeat: it rewrites the document
+                clients[i % 2 if turn else 0].heartbeat(source_ids=["rank0"])
+
             row = {}
-            for name, fn in (("renewal", renew), ("lease + release", lease_release)):
+            for name, fn in (("renewal", renew), ("lease + release", lease_release), ("source heartbeat", beat)):
                 row[f"{name}, alternating"] = timed(lambda i, fn=fn: fn(i, True), repeat)
                 row[f"{name}, one process"] = timed(lambda i, fn=fn: fn(i, False), repeat)
             out[str(count)] = row
