@@ -172,6 +172,21 @@ def test_a_commit_too_large_to_list_makes_the_others_reload_in_full(rig, monkeyp
     assert reloads(two)["full"] == before["full"] + 1
 
 
+def test_an_unreadable_log_entry_on_the_way_makes_a_full_reload_not_an_error(rig, redis_server) -> None:
+    one, two = rig.catalog(), rig.catalog()
+    publish_ready(one, "m", 1)
+    two.list_versions("m")
+    before = reloads(two)
+    one.acquire_lease("m", 1, "a")
+    redis_server.client.rpush(f"{rig.namespace}log", b"\xff not json", b'["x"]')  # a stray write
+    one.acquire_lease("m", 1, "b")
+    assert cached_view(two) == rig.full_view()
+    assert reloads(two)["full"] == before["full"] + 1
+    one.acquire_lease("m", 1, "c")  # past it, the log serves again
+    assert cached_view(two) == rig.full_view()
+    assert reloads(two) == {"full": before["full"] + 1, "incremental": before["incremental"] + 1}
+
+
 @pytest.fixture
 def restartable(tmp_path: Path) -> Iterator[RedisServer]:
     """A Redis of its own, restarted from its last snapshot (the session's one never restarts)."""

@@ -67,15 +67,15 @@ def log_entry(parent: str, token: str, document: bool, leases: dict[str, str | N
 def chain(raw: list[Any], cached: str, target: str) -> Changes | None:
     """The writes from ``cached`` to ``target`` in the log entries ``raw`` (oldest first), or
     None when ``raw`` holds no unbroken chain of listed entries between them."""
-    entries = [json.loads(_text(item)) for item in raw]
-    start = next((i for i, entry in enumerate(entries) if entry[0] == cached), None)
+    entries = [_entry(item) for item in raw]
+    start = next((i for i, entry in enumerate(entries) if entry is not None and entry[0] == cached), None)
     if start is None:
         return None
     changes, at = Changes(), cached
-    for parent, token, *listed in entries[start:]:
-        if parent != at or listed[0] is None:
-            return None  # a broken chain (cannot happen within one history) or "reload everything"
-        document, leases, ended = listed
+    for entry in entries[start:]:
+        if entry is None or entry[0] != at or entry[2] is None:
+            return None  # unreadable, a broken chain (not within one history), or "reload everything"
+        _, token, document, leases, ended = entry
         changes.document |= bool(document)
         changes.leases.update(leases)  # a later write of a field wins
         changes.ended.update(ended)
@@ -83,6 +83,19 @@ def chain(raw: list[Any], cached: str, target: str) -> Changes | None:
         if at == target:
             return changes
     return None  # the log does not reach the current token
+
+
+def _entry(raw: Any) -> list[Any] | None:
+    """A log entry, or None when this code cannot read it (another version's, a stray write)."""
+    try:
+        entry = json.loads(_text(raw))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(entry, list) or len(entry) not in (3, 5) or not all(isinstance(t, str) for t in entry[:2]):
+        return None
+    if len(entry) == 3:
+        return entry if entry[2] is None else None
+    return entry if isinstance(entry[3], dict) and isinstance(entry[4], dict) else None
 
 
 def lease_text(lease: LeaseRecord) -> str:

@@ -201,8 +201,8 @@ class RedisStore(CatalogStore):
 
     def _attempt(self, body: Callable[[Txn], T]) -> T:
         # One held connection, the transaction framed by hand so that a call costs two round
-        # trips: (UNWATCH, WATCH gen, GET gen, TIME) and (MULTI ... EXEC); redis-py's WATCH
-        # pipeline sends each of the first four on its own.
+        # trips: (UNWATCH, WATCH gen, GET gen, LINDEX log -1, TIME) and (MULTI ... EXEC);
+        # redis-py's WATCH pipeline sends each of the first ones on its own.
         conn = _pooled_connection(self._redis.connection_pool)
         try:
             return self._attempt_on(conn, body)
