@@ -471,9 +471,8 @@ class CudaIpcTransport:
         end = lanes.end
         end.record(lanes.streams[0])
         t2 = time.perf_counter()
-        # Poll rather than block: a blocking wait wakes up ~0.1 ms late, a tenth of a 10,000 x
-        # 256 KiB pull. The poll lasts only as long as the copies, and yields the GIL each turn:
-        # a stage runs on a thread beside a serving loop, which a spinning poll would starve.
+        # Poll rather than block (a blocking wait wakes ~0.1 ms late, a tenth of a 10,000 x 256 KiB
+        # pull), yielding the GIL each turn: a stage's poll must not starve a serving thread.
         while not end.query():
             time.sleep(0)
         end.synchronize()  # returns at once; raises what the copies raised
