@@ -157,8 +157,8 @@ def test_load_config_takes_omegaconf_and_resolves_interpolations():
         ({"catalog": {"store": "redis://h:6379/zero"}}, r"weight_sync.catalog.store: .redis://h:6379/zero. has database .zero."),
         ({"catalog": {"stor": "memory"}}, r"weight_sync.catalog.stor: unknown key .*did you mean .store.\?"),
         ({"method": "nccl"}, r"weight_sync.method: 'nccl'"),
-        ({"receive_mode": "direct"}, r"weight_sync.receive_mode: 'direct' \(pulling through a bounded receive buffer\) is not built yet; use 'staged'"),
-        ({"receive_mode": "stage"}, r"weight_sync.receive_mode: 'stage' \(expected 'staged'\)"),
+        ({"receive_mode": "stage"}, r"weight_sync.receive_mode: 'stage' \(expected 'staged' or 'direct'\)"),
+        ({"receive_buffer_bytes": 100}, r"weight_sync.receive_buffer_bytes: 100 \(expected an integer >= 4096\)"),
     ],
 )
 def test_load_config_names_the_field(block, message):
@@ -194,6 +194,7 @@ def _every_key_set(address: str) -> WeightSyncConfig:
         plugins=[], role_overrides=[RoleOverrideConfig(role="row", pattern="*.fc2.weight")],
         plugin_settings={"myplugin": {"knob": 1}}, transport="nixl", checksums=True, checksum_block_bytes=8192,
         fanout="tree", max_readers_per_source=2, publish_format="fp8_block", delta="auto", delta_anchor_every=3,
+        receive_buffer_bytes=8192,  # receive_mode direct (tests/receive/test_direct.py) clashes with fanout here
     )
 
 
@@ -201,7 +202,8 @@ def _every_key_set(address: str) -> WeightSyncConfig:
 # that no key is missing here.
 CONSUMED = {
     "method": "validate: only 'mx'",
-    "receive_mode": "validate: only 'staged' ('direct' is refused as not built); vLLM's MxInitInfo.receive_mode",
+    "receive_mode": "Receiver.from_config receive_mode (staged | direct); vLLM's MxInitInfo.receive_mode",
+    "receive_buffer_bytes": "Receiver.from_config receive_buffer_bytes (direct); vLLM's MxInitInfo.receive_buffer_bytes",
     "model_name": "Publisher/Receiver.from_config model",
     "catalog": "from_config catalog (address, token); start_catalog(config=) (host, port, advertise_host, token)",
     "transfer_timeout_s": "Receiver.transfer_timeout_s",
@@ -241,6 +243,7 @@ def test_every_config_key_is_consumed(mx_catalog, tmp_path):
         assert pub.publish_format == "fp8_block"
         assert rec.target == TargetLayout(full_tensors=False)
         assert (rec.fanout, rec.max_readers_per_source) == ("tree", 2)
+        assert (rec.receive_mode, rec.receive_buffer_bytes) == ("staged", 8192)
         assert rec.delta == "auto" and pub._delta is not None and pub._delta.anchor_every == 3
         assert seen.settings[-1] == as_dict(cfg) and seen.settings[-1]["plugin_settings"] == {"myplugin": {"knob": 1}}
         overrides = hooks.role_overrides()  # the plugin's rule, then the config's

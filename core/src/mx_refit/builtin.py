@@ -6,7 +6,8 @@ object they are given.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+import functools
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.hookspecs import hookimpl
@@ -69,3 +70,22 @@ def mx_refit_load_weights(engine: Any, weights: "list[tuple[str, torch.Tensor]]"
                 engine[name] = tensor.clone()
         return True
     return None
+
+
+@hookimpl(trylast=True)
+def mx_refit_direct_targets(
+    engine: Any, tensors: "list[tuple[str, tuple[int, ...], str]]"
+) -> "dict[str, Callable[[int, torch.Tensor], None]] | None":
+    """A mapping of destination tensors: a row writer for every tensor it holds in that shape."""
+    if not isinstance(engine, MutableMapping):
+        return None
+    writers: dict[str, Callable[[int, torch.Tensor], None]] = {}
+    for name, shape, _ in tensors:
+        dest = engine.get(name)
+        if _is_tensor(dest) and tuple(dest.shape) == tuple(shape) and len(shape) > 0:
+            writers[name] = functools.partial(_write_rows, dest)
+    return writers
+
+
+def _write_rows(dest: "torch.Tensor", first: int, rows: "torch.Tensor") -> None:
+    dest.narrow(0, first, rows.shape[0]).copy_(rows)

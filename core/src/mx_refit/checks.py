@@ -26,8 +26,10 @@ __all__ = [
     "AUTO",
     "CATALOG_MODES",
     "CUDA_IPC",
+    "DIRECT",
     "EMBEDDED",
     "FANOUT_MODES",
+    "MIN_RECEIVE_BUFFER_BYTES",
     "NIXL",
     "NO_FANOUT",
     "PUBLISH_FORMATS",
@@ -41,6 +43,7 @@ __all__ = [
     "check_flag",
     "check_mode",
     "check_name",
+    "check_receive_buffer_bytes",
     "check_receive_mode",
     "check_seconds",
 ]
@@ -61,11 +64,15 @@ FANOUT_MODES = (NO_FANOUT, TREE)
 PUBLISH_FORMATS = ("bf16", "fp8_block")
 
 # weight_sync.receive_mode: staged = the receive arena holds the worker's whole version (pulled
-# while the engine serves, committed in one short step). direct (pull through a buffer bounded by a
-# setting, generation paused) is named here so the refusal can say it is not built yet.
+# while the engine serves, committed in one short step); direct = the bytes go into the
+# parameters through a registered buffer of at most weight_sync.receive_buffer_bytes, chunk by
+# chunk, with generation paused (mx_refit.receive.direct).
 STAGED = "staged"
 DIRECT = "direct"
-RECEIVE_MODES = (STAGED,)
+RECEIVE_MODES = (STAGED, DIRECT)
+# The smallest receive buffer accepted. A buffer must also hold one row of the widest tensor
+# (plus that row of its staged column blocks); the refit checks that before the first byte.
+MIN_RECEIVE_BUFFER_BYTES = 4096
 
 # weight_sync.catalog.mode: embedded (started in the trainer's driver) or a standalone server.
 EMBEDDED = "embedded"
@@ -130,13 +137,13 @@ def check_mode(value: Any, field: str, modes: Collection[str]) -> str:
 
 
 def check_receive_mode(value: Any, field: str) -> str:
-    """``staged``; ``direct`` is refused as not built (never accepted and silently staged)."""
-    if value == DIRECT:
-        raise InvalidArgument(
-            f"{field}: 'direct' (pulling through a bounded receive buffer) is not built yet; use "
-            f"'staged' (the receive arena holds this worker's whole version, see receive_mode in the README)"
-        )
+    """``staged`` or ``direct``."""
     return check_mode(value, field, RECEIVE_MODES)
+
+
+def check_receive_buffer_bytes(value: Any, field: str, *, setting: bool = False) -> int:
+    """An integer (not a bool) >= :data:`MIN_RECEIVE_BUFFER_BYTES`."""
+    return check_count(value, field, minimum=MIN_RECEIVE_BUFFER_BYTES, setting=setting)
 
 
 def batches[T: _Sized](tensors: Iterable[tuple[str, T]], max_bytes: int) -> Iterator[list[tuple[str, T]]]:

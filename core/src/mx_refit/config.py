@@ -33,8 +33,10 @@ from mx_refit.checks import (
     AUTO,
     CATALOG_MODES,
     CUDA_IPC,
+    DIRECT,
     EMBEDDED,
     FANOUT_MODES,
+    MIN_RECEIVE_BUFFER_BYTES,
     NIXL,
     NO_FANOUT,
     STAGED,
@@ -45,6 +47,7 @@ from mx_refit.checks import (
     check_flag,
     check_mode,
     check_name,
+    check_receive_buffer_bytes,
     check_receive_mode,
     check_seconds,
 )
@@ -60,14 +63,17 @@ __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
     "DEFAULT_LEASE_TTL_S",
     "DEFAULT_LOAD_BATCH_BYTES",
+    "DEFAULT_RECEIVE_BUFFER_BYTES",
     "DEFAULT_SOURCE_TTL_S",
     "DEFAULT_TRANSFER_TIMEOUT_S",
     # mode names and argument checks (from mx_refit.checks, re-exported for plugins)
     "AUTO",
     "CATALOG_MODES",
     "CUDA_IPC",
+    "DIRECT",
     "EMBEDDED",
     "FANOUT_MODES",
+    "MIN_RECEIVE_BUFFER_BYTES",
     "NIXL",
     "NO_FANOUT",
     "STAGED",
@@ -78,6 +84,7 @@ __all__ = [
     "check_flag",
     "check_mode",
     "check_name",
+    "check_receive_buffer_bytes",
     "check_receive_mode",
     "check_seconds",
     # the schema
@@ -105,6 +112,7 @@ DEFAULT_SOURCE_TTL_S = 30.0
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
 DEFAULT_CHECKSUM_BLOCK_BYTES = 1 << 20
 DEFAULT_LOAD_BATCH_BYTES = 512 << 20
+DEFAULT_RECEIVE_BUFFER_BYTES = 256 << 20  # receive_mode direct: the bounce buffer's size
 
 
 @dataclass
@@ -144,7 +152,8 @@ class WeightSyncConfig:
     publish_format: str = "bf16"  # bf16 | fp8_block: quantise linear weights on publish (README, "FP8 on publish")
     delta: str = "off"  # off | auto: move only the bytes changed since the receiver's version (README, "Delta refits")
     delta_anchor_every: int = 10  # publishers: every N-th version is published whole (an anchor)
-    receive_mode: str = STAGED  # staged (whole-version arena; README "Receive memory"); direct: not built
+    receive_mode: str = STAGED  # staged (whole-version arena) | direct (bounded buffer); README "Receive memory"
+    receive_buffer_bytes: int = DEFAULT_RECEIVE_BUFFER_BYTES  # direct: receive memory outside the parameters
     fanout: str = NO_FANOUT  # none | tree: receivers republish their arena as replicas (README, "Fan-out")
     max_readers_per_source: int = 0  # > 0: concurrent readers one source serves at most
     plugins: list[str] = field(default_factory=list)  # allow-list of plugin names; [] loads every one
@@ -183,6 +192,7 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
     check_mode(cfg.publish_format, "weight_sync.publish_format", PUBLISH_FORMATS)
     check_mode(cfg.fanout, "weight_sync.fanout", FANOUT_MODES)
     check_receive_mode(cfg.receive_mode, "weight_sync.receive_mode")
+    check_receive_buffer_bytes(cfg.receive_buffer_bytes, "weight_sync.receive_buffer_bytes", setting=True)
     check_mode(cfg.delta, "weight_sync.delta", ("off", "auto"))
     check_count(cfg.delta_anchor_every, "weight_sync.delta_anchor_every", minimum=1, setting=True)
     check_count(cfg.max_readers_per_source, "weight_sync.max_readers_per_source", minimum=0, setting=True)

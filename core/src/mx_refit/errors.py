@@ -17,6 +17,7 @@ __all__ = [
     "LeaseLost",
     "MxRefitError",
     "NotFound",
+    "PartiallyUpdated",
     "SourcesBusy",
     "TransferError",
     "Unauthenticated",
@@ -103,6 +104,18 @@ class LeaseLost(MxRefitError):
         super().__init__(message)
         self.lease_id = lease_id
         self.cause = cause
+
+
+class PartiallyUpdated(MxRefitError):
+    """A ``receive_mode: direct`` refit failed after its first bytes were written into the
+    engine's parameters: they now hold part of ``version`` and part of the previous weights.
+    The engine must not serve or report either version as loaded; refit again (the message names
+    the model and the version, ``__cause__`` is the failure)."""
+
+    def __init__(self, message: str, *, model: str = "", version: int | None = None) -> None:
+        super().__init__(message)
+        self.model = model
+        self.version = version
 
 
 class CoverageError(MxRefitError):

@@ -11,6 +11,7 @@ work such as timing, tracing, or pausing an engine around a load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
@@ -175,6 +176,28 @@ def mx_refit_load_weights(engine: Any, weights: "list[tuple[str, torch.Tensor]]"
     ``load_weights(iterable)`` method and mutable mappings of tensors.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def mx_refit_direct_targets(
+    engine: Any, tensors: "list[tuple[str, tuple[int, ...], str]]"
+) -> "dict[str, Callable[[int, torch.Tensor], None]] | None":
+    """Prepare a ``receive_mode: direct`` refit, before its first byte is pulled.
+
+    A direct refit writes the engine's parameters chunk by chunk through a bounded buffer, so
+    anything that can refuse the version must refuse it here, while the engine still holds its
+    previous weights (raise, e.g. for names the engine does not have).
+
+    :param engine: As in :func:`mx_refit_target_layout`.
+    :param tensors: ``(hf_name, shape, dtype)`` of every tensor the refit will load.
+    :return: For the tensors the engine can take in pieces, a writer ``write(first_row, rows)``
+        that puts ``rows`` (rows ``first_row ..`` of the tensor along dim 0) into its
+        parameters; tensors without one are loaded whole through :func:`mx_refit_load_weights`
+        (so each must fit the buffer). ``None`` to let the next plugin try. The built-in
+        answers for mappings of destination tensors (every tensor of matching shape).
+
+    .. versionadded:: 0.2
     """
 
 

@@ -10,7 +10,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from mx_refit.errors import CoverageError, InvalidArgument
 from mx_refit.types import DTYPE_SIZES, ReadOp, Role, TensorDescriptor, VersionInfo
@@ -18,7 +18,7 @@ from mx_refit.types import DTYPE_SIZES, ReadOp, Role, TensorDescriptor, VersionI
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["FullTensorPlan", "ReceivePlan", "ViewMemo", "plan_full_tensors"]
+__all__ = ["FullTensorPlan", "PlannedOutput", "ReceivePlan", "ViewMemo", "plan_full_tensors"]
 
 # Roles whose shards are plain slices of the published tensor; anything else needs a layout
 # engine to become HF tensors.
@@ -41,6 +41,25 @@ class ReceivePlan(Protocol):
     bytes_by_role: dict[str, tuple[int, int]]
 
     def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]: ...
+
+
+class PlannedOutput(NamedTuple):
+    """One tensor ``materialize`` yields, described by where its bytes sit in the arena, for a
+    receiver that takes a plan in pieces (``receive_mode: direct``, :mod:`mx_refit.receive.direct`).
+
+    The output's bytes are ``nbytes`` at arena ``offset``, row-major in ``shape``. ``copies``:
+    staged blocks placed into it by one strided copy each, as ``(arena offset of the block's first
+    byte, bytes from one block row to the next, bytes per block row, byte column in the output
+    row)``; each output row (along dim 0) takes ``sub`` consecutive block rows. Plans that can be
+    received in pieces have an ``outputs()`` method returning these in ``materialize`` order."""
+
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    copies: tuple[tuple[int, int, int, int], ...] = ()
+    sub: int = 1
 
 
 class ViewMemo:
@@ -108,6 +127,21 @@ class FullTensorPlan:
     @property
     def tensors(self) -> int:
         return len(self.placements)
+
+    def outputs(self) -> list[PlannedOutput]:
+        """Every tensor's arena placement (see :class:`PlannedOutput`), in ``materialize`` order."""
+        found = []
+        for p in self.placements:
+            size = DTYPE_SIZES[p.dtype]
+            copies = []
+            sub = 1
+            for axis, start, local_shape, staging in p.staged:  # dim > 0 splits (dim 0 lands in place)
+                sub = math.prod(p.shape[1:axis])
+                width = math.prod(local_shape[axis:]) * size
+                copies.append((staging, width, width, start * math.prod(p.shape[axis + 1 :]) * size))
+            found.append(PlannedOutput(p.name, p.offset, math.prod(p.shape) * size, tuple(p.shape), p.dtype,
+                                       tuple(copies), sub))
+        return found
 
     def materialize(self, arena: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
         """Views of ``arena``, staged shards copied into place. Calling it again on the same

@@ -24,7 +24,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -282,6 +282,13 @@ class Hooks:
                 f"no mx-refit plugin can load weights into a {type(engine).__qualname__}; give it a "
                 "load_weights(iterable) method, pass a mapping of tensors, or install the engine's plugin"
             )
+
+    def direct_targets(
+        self, engine: Any, tensors: "list[tuple[str, tuple[int, ...], str]]"
+    ) -> "dict[str, Callable[[int, torch.Tensor], None]]":
+        """Row writers for a ``receive_mode: direct`` refit (empty: every tensor loads whole)."""
+        writers = self.pm.hook.mx_refit_direct_targets(engine=engine, tensors=tensors)
+        return dict(writers or {})
 
     # -- lifecycle --------------------------------------------------------------------------------
     def version_published(self, model: str, version: int, source_id: str, mesh: "MeshPosition") -> None:

@@ -537,6 +537,13 @@ class RefitStats:
     lease_confirmed_by: str = "catalog"
     # The version's compiled target (mx_refit.compile_targets): "hf_raw", or e.g. "fp8_block".
     compile_target: str = HF_RAW
+    # weight_sync.receive_mode: "staged" (the whole version in the receive arena first) or
+    # "direct" (into the parameters through a bounded buffer, in ``chunks`` pulls).
+    receive_mode: str = "staged"
+    chunks: int = 1
+    # Bytes the receiver allocated to receive into, outside the engine's parameters: the arena
+    # (staged) or the bounce buffer (direct, at most receive_buffer_bytes).
+    receive_memory_bytes: int = 0
 
     @property
     def gbps(self) -> float:

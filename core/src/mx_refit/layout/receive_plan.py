@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from mx_refit.copies import BatchedCopy, Block, copy_mode
 from mx_refit.copies import available as copies_available
 from mx_refit.errors import InvalidArgument
-from mx_refit.plan import ViewMemo
+from mx_refit.plan import PlannedOutput, ViewMemo
 from mx_refit.types import ReadOp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,6 +90,16 @@ class MegatronReceivePlan:
                         append((name, base + rel, nbytes, shape, dtype, copies))
             # NamedTuples built in C (TensorSpec._make adds a Python-level length check).
             return list(map(tuple.__new__, repeat(TensorSpec), rows))
+
+    def outputs(self) -> list[PlannedOutput]:
+        """Every output's arena placement with its staged blocks (:class:`PlannedOutput`), in
+        ``materialize`` order, without touching memory."""
+        found = []
+        for base, tpl, names, dtype, _, _ in self._entries:
+            for name, out in zip(names, tpl.outs):
+                copies = tuple((base + c.landing, c.row_stride, c.width, c.dst_col) for c in out.copies)
+                found.append(PlannedOutput(name, base + out.rel, out.nbytes, out.shape, dtype, copies))
+        return found
 
     def materialize(self, arena: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every planned tensor once the reads have landed.

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mx_refit.checks import batches
+from mx_refit.checks import DIRECT, batches
 from mx_refit.errors import ChecksumMismatch, TransferError
 from mx_refit.receive.delta import DeltaPull, DeltaState, apply, changed_only, check_records, plan_delta
 from mx_refit.receive.lease_order import lease_order
@@ -105,6 +105,7 @@ class RefitCycle:
         self.delta_refused = ""  # why the last refit was not a delta refit (delta "auto")
         self._copy_sums: "CopySums | None" = None  # the fused copy's hook, per widening
         self._armed: Any = None  # the CUDA IPC transport holding it during a pull
+        self.buffer: "torch.Tensor | None" = None  # receive_mode direct: the bounce buffer, reused
         self._order = lease_order(client, options, renewer, self.prime)
 
     def run(
@@ -126,6 +127,13 @@ class RefitCycle:
             with watch("lease"):
                 leased = self.lease(info, requests, lease)
             lease = leased.lease
+            if self.options.receive_mode == DIRECT:  # into the parameters, chunk by chunk
+                from mx_refit.receive.direct import DirectRefit
+
+                direct = DirectRefit(self, leased, plan)  # every check before the first byte
+                direct.write(watch)
+                stats = direct.finish(watch, notify, registrations_before)
+                return RefitResult(version=leased.info, plan=plan, tensors=[], stats=stats)
             with watch("heartbeat_start"):  # the renewals run already: the arena's allocation
                 delta = self._delta_plan(info, plan)
                 full_bytes = widening.arena_bytes if widening else plan.arena_bytes
@@ -335,10 +343,34 @@ class RefitCycle:
         except Exception as exc:  # an optimisation only: the read does the setup itself
             log.debug("receiver %s: priming the read failed: %s", self.options.reader_id, exc)
 
+    def direct_buffer(self, nbytes: int) -> "torch.Tensor":
+        """receive_mode direct: the registered bounce buffer (at most ``receive_buffer_bytes``;
+        kept across refits while it is large enough and within the setting). A staged arena
+        left from an earlier refit is dropped: it is receive memory outside the parameters."""
+        import torch
+
+        self._drop("arena")
+        if self.buffer is None or not nbytes <= self.buffer.numel() <= self.options.receive_buffer_bytes:
+            from mx_refit.receive.memory import check_arena_fits, device_free_bytes
+
+            self._drop("buffer")
+            device = self.options.device
+            check_arena_fits(nbytes, device, device_free_bytes(device), reader=self.options.reader_id)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.transport.register_many([self.buffer], nixl=False)
+        return self.buffer
+
+    def _drop(self, part: str) -> None:
+        held = getattr(self, part)
+        if held is not None:
+            setattr(self, part, None)
+            self.transport.deregister(held)
+
     def _arena_for(self, nbytes: int) -> "torch.Tensor":
         """The receive arena: registered once, reused every cycle, grown only when needed."""
         import torch
 
+        self._drop("buffer")  # receive_mode direct's, when the mode changed
         if self.arena is None or self.arena.numel() < nbytes:
             from mx_refit.receive.memory import check_arena_fits, device_free_bytes
 
@@ -378,6 +410,7 @@ class RefitCycle:
             bytes_reread=pulled_by.bytes_reread,
             lease_confirmed_by=confirmed_by,
             compile_target=self._plans.compile_target,
+            receive_memory_bytes=self.arena.numel() if self.arena is not None else 0,
         )
 
 

@@ -14,8 +14,13 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, overload
 
-from mx_refit.checks import AUTO, NO_FANOUT, TREE, check_seconds
-from mx_refit.config import DEFAULT_LEASE_TTL_S, DEFAULT_LOAD_BATCH_BYTES, DEFAULT_TRANSFER_TIMEOUT_S
+from mx_refit.checks import AUTO, DIRECT, NO_FANOUT, STAGED, TREE, check_seconds
+from mx_refit.config import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_LOAD_BATCH_BYTES,
+    DEFAULT_RECEIVE_BUFFER_BYTES,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+)
 from mx_refit.errors import FailedPrecondition, MxRefitError, TransferError
 from mx_refit.receive.cycle import RefitCycle, RefitResult
 from mx_refit.receive.lease import LeaseRenewer
@@ -86,6 +91,14 @@ class Receiver:
         served to other readers until then: treat them as read-only.
     :param max_readers_per_source: > 0: never read a source that already serves that many
         readers (the catalog enforces it at lease time); wait for a replica instead.
+    :param receive_mode: ``"staged"`` (every byte into the receive arena first: a failed pull
+        leaves the engine untouched, :meth:`stage`/:meth:`commit` work) or ``"direct"`` (into
+        the engine's parameters through a buffer of at most ``receive_buffer_bytes``, chunk by
+        chunk; needs ``engine``; generation must be paused; a failure after the first write
+        raises :class:`~mx_refit.errors.PartiallyUpdated`; see :mod:`mx_refit.receive.direct`).
+    :param receive_buffer_bytes: ``direct``: the buffer's size, the receive memory outside the
+        parameters (>= :data:`~mx_refit.checks.MIN_RECEIVE_BUFFER_BYTES`, and one row of the
+        widest tensor).
     """
 
     # Settings (checked by ReceiveOptions) and parts, read by every refit when it starts.
@@ -127,6 +140,8 @@ class Receiver:
         max_readers_per_source: int = 0,
         delta: str = "off",
         delta_check_arena: bool = True,
+        receive_mode: str = STAGED,
+        receive_buffer_bytes: int = DEFAULT_RECEIVE_BUFFER_BYTES,
     ) -> None:
         from mx_refit.catalog.connect import as_catalog
         from mx_refit.plugins import Hooks
@@ -136,7 +151,7 @@ class Receiver:
         self.options = options = ReceiveOptions(
             model, reader_id or f"reader-{os.getpid()}-{uuid.uuid4().hex[:8]}", device, lease_ttl_s,
             transfer_timeout_s, load_batch_bytes, checksums, fanout, max_readers_per_source, delta,
-            delta_check_arena,
+            delta_check_arena, receive_mode, receive_buffer_bytes,
         )
         self._dialled: CatalogClient | None = None  # dialled here from an address: closed here
         client: Catalog
@@ -178,7 +193,7 @@ class Receiver:
         **overrides: Any,
     ) -> "Receiver":
         """A receiver for ``cfg.model_name`` with the config's lease TTL, transfer timeout,
-        ``full_tensors``, plugin allow-list and role overrides (``Hooks.configure`` receives the
+        receive mode and buffer, ``full_tensors``, plugin allow-list and role overrides (``Hooks.configure`` receives the
         whole block).
 
         :param target: Default: the plugins' layout for ``engine`` with ``full_tensors`` from the
@@ -198,6 +213,8 @@ class Receiver:
             "fanout": cfg.fanout,
             "max_readers_per_source": cfg.max_readers_per_source,
             "delta": cfg.delta,
+            "receive_mode": cfg.receive_mode,
+            "receive_buffer_bytes": cfg.receive_buffer_bytes,
         }
         kwargs.update(overrides)
         if kwargs.get("hooks") is None:
@@ -254,10 +271,25 @@ class Receiver:
         Staging again, or a :meth:`refit`, replaces what was staged (they reuse the arena). A
         failed stage leaves nothing staged and the engine untouched.
         """
+        if self.options.receive_mode == DIRECT:
+            raise FailedPrecondition(
+                f"receiver {self.reader_id!r}: stage() needs receive_mode 'staged' (a staging arena); "
+                f"receive_mode 'direct' writes the parameters during refit(), with generation paused"
+            )
         self._staged = None  # the arena is about to be rewritten
         result = self._run(version, min_version, wait_s, notify=False, load=False)
         self._staged = result
         return result
+
+    @property
+    def receive_mode(self) -> str:
+        """``"staged"`` or ``"direct"`` (fixed at construction)."""
+        return self.options.receive_mode
+
+    @property
+    def receive_buffer_bytes(self) -> int:
+        """``direct``: the most bytes the receive buffer holds (fixed at construction)."""
+        return self.options.receive_buffer_bytes
 
     @property
     def staged(self) -> RefitResult | None:
@@ -330,9 +362,11 @@ class Receiver:
         self._renewer.close()
         if self._owns_transport:
             self.transport.close()
-        elif self._cycle.arena is not None:
-            self.transport.deregister(self._cycle.arena)
-        self._cycle.arena = None
+        else:
+            for held in (self._cycle.arena, self._cycle.buffer):
+                if held is not None:
+                    self.transport.deregister(held)
+        self._cycle.arena = self._cycle.buffer = None
         if self._dialled is not None:
             self._dialled.close()
 
