@@ -82,6 +82,21 @@ class WorkerProcess:
     def rpc(self, method: str, kwargs: dict) -> object:
         return getattr(self.worker, method)(**kwargs)
 
+    def measured(self, method: str, kwargs: dict) -> int:
+        """Run a Worker method; return the peak of torch's CPU allocations meanwhile, in bytes
+        (torch's profiler records every allocation and free of the process, in order)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            self.rpc(method, kwargs)
+        current = peak = 0
+        for event in prof.profiler.kineto_results.events():
+            if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+                current += event.nbytes()
+                peak = max(peak, current)
+        return peak
+
     def check(self, hf_dir: str) -> dict:
         """Load ``hf_dir`` into the reference model through vLLM's plain loader, then compare
         every parameter of the live model with it, byte for byte."""
@@ -122,6 +137,10 @@ class WorkerProcess:
             },
             "layout": eng.layout,
             "hook_layouts": (hooks.target_layout(self.model), hooks.target_layout(eng)),
+            "buffers": {m: r._cycle.buffer.numel() for m, r in eng.receivers.items() if r._cycle.buffer is not None},
+            "receive": None if eng.last_refit is None else (
+                eng.last_refit.receive_mode, eng.last_refit.chunks, eng.last_refit.receive_memory_bytes),
+            "partially_updated": eng.partially_updated,
             "last_update": None if last is None else last.to_dict(),
             "last_load": dict(eng.last_load),
             "bytes_pulled": eng.last_refit.bytes_pulled if eng.last_refit is not None else None,
@@ -145,6 +164,7 @@ def main() -> None:
     conn, proc = opened
     serve(conn, {
         "rpc": lambda arg: proc.rpc(*arg),
+        "measured": lambda arg: proc.measured(*arg),
         "engine": lambda arg: getattr(proc.engine, arg[0])(**arg[1]),  # bypassing vLLM's Worker
         "check": proc.check,
         "stats": lambda _: proc.stats(),

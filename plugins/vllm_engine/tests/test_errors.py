@@ -193,8 +193,18 @@ def test_coverage_gap(tp1, good, publish, mx_catalog: str, model_name: str, ckpt
         ),
         (
             "init_weight_transfer_engine",
-            {"init_info": {"catalog": "h:1", "model": "m", "receive_mode": "direct"}},
-            "MxInitInfo.receive_mode: 'direct' (pulling through a bounded receive buffer) is not built yet",
+            {"init_info": {"catalog": "h:1", "model": "m", "receive_mode": "drect"}},
+            "MxInitInfo.receive_mode: 'drect' (expected 'staged' or 'direct')",
+        ),
+        (
+            "init_weight_transfer_engine",
+            {"init_info": {"catalog": "h:1", "model": "m", "receive_mode": "direct", "receive_buffer_bytes": 0}},
+            "MxInitInfo.receive_buffer_bytes: must be an integer >= 4096, got 0",
+        ),
+        (
+            "init_weight_transfer_engine",
+            {"init_info": {"catalog": "h:1", "model": "m", "receive_mode": "direct", "checksums": True}},
+            "MxInitInfo.checksums: True verifies a whole version before loading",
         ),
         ("update_weights", {"update_info": {"version": "3"}}, "MxUpdateInfo.version"),
         ("update_weights", {"update_info": {"versoin": 3}}, "versoin"),

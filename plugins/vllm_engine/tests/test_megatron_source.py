@@ -137,6 +137,46 @@ def test_stage_while_serving_then_commit(megatron, tp2, mx_catalog: str, ckpts: 
     assert not any(s["session"] for s in tp2.stats())
 
 
+DIRECT_BUFFER = 16 << 10  # a 16 KiB receive buffer: the ~330 KiB model in ~20 chunks, gate_up split in rows
+
+
+def test_direct_receive_through_a_small_buffer(megatron, tp1, tp2, mx_catalog: str, ckpts: dict[int, Path]) -> None:
+    """``receive_mode: direct``: no arena; every rank's bytes go into vLLM's parameters through
+    a 16 KiB buffer, windows larger than it in row pieces. Every parameter equals vLLM's own
+    ``load_weights``, every byte went straight into the parameters, and all torch allocated in
+    the worker during the load (the buffer included) is within the buffer setting."""
+    name, _ = megatron
+    init = {"catalog": mx_catalog, "model": name, "receive_mode": "direct", "receive_buffer_bytes": DIRECT_BUFFER}
+    for workers in (tp1, tp2):
+        workers.rpc("init_weight_transfer_engine", init_info=init)
+        workers.rpc("start_weight_update")
+        peaks = workers.group.call("measured", ("update_weights", {"update_info": {"version": 3}}))
+        workers.rpc("finish_weight_update")
+        workers.check(ckpts[3])
+        workers.current = ckpts[3]
+        stats = workers.stats()
+        assert_rank_exact(stats)
+        for rank, (s, peak) in enumerate(zip(stats, peaks)):
+            mode, chunks, memory = s["receive"]
+            assert mode == "direct" and chunks >= s["bytes_pulled"] // DIRECT_BUFFER >= 4, (rank, s["receive"])
+            assert s["arenas"] == {} and 0 < memory <= DIRECT_BUFFER, (rank, s["receive"])
+            assert 0 < peak <= DIRECT_BUFFER, (rank, peak)
+            print(f"tp{workers.tp} rank {rank}: {s['bytes_pulled']} bytes in {chunks} chunks, torch peak {peak} B")
+
+    # stage/commit need a staging arena: refused by name, weights untouched.
+    tp2.rpc("init_weight_transfer_engine", init_info=init)
+    tp2.rpc("start_weight_update")
+    with pytest.raises(Exception, match=r"phase='stage' needs MxInitInfo.receive_mode='staged'"):
+        tp2.rpc("update_weights", update_info={"version": 3, "phase": "stage"})
+    tp2.assert_untouched()
+    # A buffer that cannot hold one row of the widest window: refused before the first byte.
+    tp1.rpc("init_weight_transfer_engine", init_info={**init, "receive_buffer_bytes": 4096})
+    tp1.rpc("start_weight_update")
+    tp1.rpc("update_weights", update_info={"version": 3})  # 4 KiB holds one row of every window here
+    tp1.rpc("finish_weight_update")
+    tp1.check(ckpts[3])
+
+
 @pytest.fixture(scope="module")
 def untied(megatron, tmp_path_factory: pytest.TempPathFactory, log_dir: Path):
     """vLLM TP 1 and TP 2 groups built from the untied model's version 0, and its version 3

@@ -31,10 +31,11 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 import mx_refit
-from mx_refit.errors import FailedPrecondition, MxRefitError, NotFound, Unavailable
+from mx_refit.config import DIRECT
+from mx_refit.errors import FailedPrecondition, MxRefitError, NotFound, PartiallyUpdated, Unavailable
 from mx_refit.types import RefitStats, TargetLayout
 from mx_refit_vllm.infos import MxInitInfo, MxUpdateInfo
-from mx_refit_vllm.layout import check_names, target_layout, worker_coordinates
+from mx_refit_vllm.layout import check_names, check_shapes, target_layout, worker_coordinates
 from mx_refit_vllm.params import ParamMap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,6 +99,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         # The last load: bytes placed rank-exactly, tensors handed to vLLM's loader.
         self.last_load: dict[str, int] = {}
         self.last_refit: RefitStats | None = None  # the stats of the last version loaded
+        # receive_mode direct: (model, version) whose load failed after its first write; the
+        # parameters mix two versions until a refit succeeds (last_refit is None meanwhile).
+        self.partially_updated: tuple[str, int | None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MxInitInfo) -> None:
@@ -189,6 +193,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if session is None:
             raise RuntimeError("mx: start_weight_update must be called before update_weights")
         self.last_update = update_info
+        if self._require_init().receive_mode == DIRECT:
+            self._direct(session, update_info)
+            return
         if update_info.phase == "stage":
             self._stage(session, update_info)
             return
@@ -207,6 +214,75 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self.last_refit = stats
         assert self._hooks is not None  # set by _receiver()
         self._hooks.refit_done(stats)  # only now: the model has the weights
+
+    def _direct(self, session: _Session, update_info: MxUpdateInfo) -> None:
+        """``receive_mode: direct``: the receiver writes the parameters chunk by chunk through
+        its bounded buffer (:meth:`direct_targets`, :meth:`load_direct`); generation is paused
+        (``phase="load"``). A failure before the first write leaves the weights untouched; after
+        it, ``PartiallyUpdated``: the version is not reported as loaded (``last_refit`` is
+        ``None``, ``partially_updated`` names it) and the caller must refit again."""
+        init = self._require_init()
+        if update_info.phase != "load":
+            self._abort_session()
+            raise FailedPrecondition(
+                f"mx: MxUpdateInfo.phase={update_info.phase!r} needs MxInitInfo.receive_mode='staged' (a "
+                f"staging arena); receive_mode 'direct' loads with phase='load', generation paused"
+            )
+        model_name = update_info.model or init.model
+        wait_s = init.ready_timeout_s if update_info.wait_s is None else update_info.wait_s
+        try:
+            result = self._receiver(model_name).refit(
+                update_info.version, min_version=update_info.min_version, wait_s=wait_s, notify=False
+            )
+        except PartiallyUpdated as exc:
+            self.last_refit, self.partially_updated = None, (model_name, exc.version)
+            self._abort_session()
+            log.error("mx: %s", exc)
+            raise
+        except BaseException as exc:
+            self._abort_session()
+            if isinstance(exc, MxRefitError):
+                log.warning("mx: direct load of %r not done, weights untouched: %s", model_name, exc)
+            raise
+        self.partially_updated = None
+        session.loaded.append(result.stats)
+        self.last_refit = result.stats
+        assert self._hooks is not None
+        self._hooks.refit_done(result.stats)
+
+    def direct_targets(self, tensors: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+        """Before a direct refit's first byte: the names checked (``strict_names``) and a row
+        writer per rank window placed straight into a parameter (through
+        ``mx_refit_direct_targets``)."""
+        init = self._require_init()
+        tp_size = self.layout.tp_size if self.layout else 1
+        if init.strict_names:
+            check_shapes(self.model, [(n, s) for n, s, _ in tensors], tp_size=tp_size, what="the version")
+        self.last_load = {"placed_bytes": 0, "loader_tensors": 0}
+        if self.params is None or self.layout is None or self.layout.full_tensors:
+            return {}
+        writers = self.params.row_writers(tensors)
+        return {name: self._counted(write) for name, write in writers.items()}
+
+    def _counted(self, write: Any) -> Any:
+        def counted(first: int, rows: torch.Tensor) -> None:
+            write(first, rows)
+            self.last_load["placed_bytes"] += rows.numel() * rows.element_size()
+
+        return counted
+
+    def load_direct(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """One chunk's whole tensors (through ``mx_refit_load_weights``): rank windows placed,
+        the rest through vLLM's ``load_weights``."""
+        session = self._session
+        assert session is not None, "a direct refit runs inside a weight-update session"
+        placed, rest = 0, tensors
+        if self.params is not None and self.layout is not None and not self.layout.full_tensors:
+            placed, rest = self.params.place(tensors)
+        self.last_load["placed_bytes"] += placed
+        self.last_load["loader_tensors"] += len(rest)
+        if rest:
+            self._vllm_load(session, rest, "a direct refit's chunk")
 
     def _fetch(self, update_info: MxUpdateInfo, *, stage: bool) -> tuple[RefitResult, str]:
         """Every byte of the version in the arena, names checked; the model untouched."""
@@ -362,6 +438,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             transfer_timeout_s=init.transfer_timeout_s,
             load_batch_bytes=init.load_batch_bytes,
             checksums=init.checksums,
+            receive_mode=init.receive_mode,
+            receive_buffer_bytes=init.receive_buffer_bytes,
+            engine=self if init.receive_mode == DIRECT else None,  # direct: the receiver loads chunk by chunk
         )
         if self._catalog is None:
             self._catalog = receiver.client
@@ -404,6 +483,11 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 return
         else:
             self.last_load = {"placed_bytes": 0, "loader_tensors": len(tensors)}
+        self._vllm_load(session, tensors, what)
+
+    def _vllm_load(self, session: _Session, tensors: list[tuple[str, torch.Tensor]], what: str) -> None:
+        """``tensors`` through vLLM's own ``load_weights`` (under layerwise reload), in batches."""
+        assert self.init_info is not None and self._hooks is not None
         if not session.layerwise and self._supports_layerwise():
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 

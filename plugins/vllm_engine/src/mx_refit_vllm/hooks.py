@@ -12,6 +12,10 @@ from mx_refit import hookimpl
 from mx_refit.types import TargetLayout
 
 
+def _is_mx_engine(engine: Any) -> bool:
+    return type(engine).__name__ == "MxWeightTransferEngine" and type(engine).__module__ == "mx_refit_vllm.engine"
+
+
 def _is_vllm_model(engine: Any) -> bool:
     return type(engine).__module__.startswith("vllm.model_executor.models.")
 
@@ -21,10 +25,7 @@ def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
     """The layout of the vLLM worker that owns ``engine``: the mx engine's own (rank-exact
     where it can place the windows), or whole HF tensors for a bare vLLM model, whose
     ``load_weights`` narrows full tensors itself."""
-    if (
-        type(engine).__name__ == "MxWeightTransferEngine"
-        and type(engine).__module__ == "mx_refit_vllm.engine"
-    ):
+    if _is_mx_engine(engine):
         from mx_refit_vllm.layout import target_layout
 
         return engine.layout or target_layout(
@@ -43,4 +44,23 @@ def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
         if current is None:
             return target_layout(SimpleNamespace())
         return target_layout(current.parallel_config, getattr(current, "quant_config", None))
+    return None
+
+
+@hookimpl
+def mx_refit_direct_targets(engine: Any, tensors: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any] | None:
+    """``receive_mode: direct`` into the mx engine's model: names checked (before any byte), and
+    a row writer for every rank window placed straight into a vLLM parameter."""
+    if _is_mx_engine(engine):
+        return engine.direct_targets(tensors)  # type: ignore[no-any-return]
+    return None
+
+
+@hookimpl
+def mx_refit_load_weights(engine: Any, weights: list[tuple[str, Any]]) -> bool | None:
+    """``receive_mode: direct``: whole tensors of one chunk into the mx engine's model (rank
+    windows placed, the rest through vLLM's ``load_weights``)."""
+    if _is_mx_engine(engine):
+        engine.load_direct(weights)
+        return True
     return None

@@ -18,11 +18,14 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, Weight
 from mx_refit.config import (
     DEFAULT_LEASE_TTL_S,
     DEFAULT_LOAD_BATCH_BYTES,
+    DEFAULT_RECEIVE_BUFFER_BYTES,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    DIRECT,
     STAGED,
     check_count,
     check_flag,
     check_name,
+    check_receive_buffer_bytes,
     check_receive_mode,
     check_seconds,
 )
@@ -70,8 +73,13 @@ class MxInitInfo(WeightTransferInitInfo):
         them); ``False`` pulls whole HF tensors for every parameter.
     :param receive_mode: ``weight_sync.receive_mode``: ``"staged"``, the receive arena holds
         this worker's whole version (its own rank's bytes), so a version can be staged while
-        generation runs and committed in one short step (``MxUpdateInfo.phase``). ``"direct"``
-        (a receive buffer bounded by a setting) is not built yet and is refused.
+        generation runs and committed in one short step (``MxUpdateInfo.phase``). ``"direct"``:
+        no arena; the bytes go into vLLM's parameters through a registered buffer of at most
+        ``receive_buffer_bytes``, chunk by chunk (rank-exact windows in row pieces), with
+        generation paused (``phase="load"`` only). A direct load that fails after its first
+        write raises ``mx_refit.PartiallyUpdated``: refit again before serving.
+    :param receive_buffer_bytes: ``weight_sync.receive_buffer_bytes``: ``direct``'s buffer, the
+        receive memory outside the parameters (>= 4096 and one row of the widest tensor).
     """
 
     catalog: str
@@ -86,10 +94,17 @@ class MxInitInfo(WeightTransferInitInfo):
     checksums: bool = False
     rank_exact: bool = True
     receive_mode: str = STAGED
+    receive_buffer_bytes: int = DEFAULT_RECEIVE_BUFFER_BYTES
 
     def __post_init__(self) -> None:
         name = type(self).__name__
         check_receive_mode(self.receive_mode, f"{name}.receive_mode")
+        check_receive_buffer_bytes(self.receive_buffer_bytes, f"{name}.receive_buffer_bytes")
+        if self.receive_mode == DIRECT and self.checksums:
+            raise InvalidArgument(
+                f"{name}.checksums: True verifies a whole version before loading; receive_mode 'direct' "
+                f"writes the parameters chunk by chunk (use receive_mode 'staged' for checksums)"
+            )
         check_flag(self.rank_exact, f"{name}.rank_exact")
         _check_address(name, "catalog", self.catalog)
         _check_str(name, "model", self.model)

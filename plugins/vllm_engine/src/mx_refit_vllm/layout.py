@@ -238,10 +238,17 @@ def check_names(
     model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], *, tp_size: int, what: str
 ) -> None:
     """Raise :class:`InvalidArgument` listing every tensor ``model`` would not accept."""
+    check_shapes(model, ((name, tuple(tensor.shape)) for name, tensor in tensors), tp_size=tp_size, what=what)
+
+
+def check_shapes(
+    model: torch.nn.Module, shapes: Iterable[tuple[str, tuple[int, ...]]], *, tp_size: int, what: str
+) -> None:
+    """:func:`check_names` from ``(name, shape)`` pairs (before any byte has arrived)."""
     check = NameCheck(model, tp_size)
     problems = []
-    for name, tensor in tensors:
-        why = check.problem(name, tuple(tensor.shape))
+    for name, shape in shapes:
+        why = check.problem(name, shape)
         if why is not None:
             problems.append(f"{name}: {why}")
     if problems:

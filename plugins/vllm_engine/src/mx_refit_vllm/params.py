@@ -100,6 +100,22 @@ class Placement:
             data = data.narrow(dim, offset, length)
         data.copy_(tensor)
 
+    def write_rows(self, first: int, rows: torch.Tensor) -> None:
+        """Copy rows ``first ..`` (dim 0) of the window into the parameter: ``receive_mode:
+        direct`` places a window too large for its buffer in pieces (the vocabulary padding is
+        zeroed with the last piece)."""
+        data = self.param.data if self.expert is None else self.param.data[self.expert]
+        end = first + rows.shape[0]
+        if self.zero_rows_from is not None:
+            data[first:end].copy_(rows)
+            if end == self.zero_rows_from:
+                data[self.zero_rows_from :].zero_()
+            return
+        if self.dst is not None:
+            dim, offset, length = self.dst
+            data = data.narrow(dim, offset, length)
+        data.narrow(0, first, rows.shape[0]).copy_(rows)
+
 
 class ParamMap:
     """HF name -> :class:`Placement` for one vLLM worker's model (see module docs)."""
@@ -323,6 +339,17 @@ class ParamMap:
         return None
 
     # -- loading -----------------------------------------------------------------------------
+    def row_writers(self, tensors: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+        """``receive_mode: direct``: a row writer (:meth:`Placement.write_rows`) for every
+        tensor that is a placeable rank window of exactly its shape; the rest go whole to
+        :meth:`place` and vLLM's loader."""
+        writers = {}
+        for name, shape, _ in tensors:
+            where = self.placement(name)
+            if where is not None and tuple(shape) == where.window_shape() and len(shape) > 0:
+                writers[name] = where.write_rows
+        return writers
+
     def place(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """Copy every received rank-local window into its parameter.
 
