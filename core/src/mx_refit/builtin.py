@@ -81,8 +81,8 @@ def mx_refit_direct_targets(
         return None
     writers: dict[str, Callable[[int, torch.Tensor], None]] = {}
     for name, shape, _ in tensors:
-        dest = engine.get(name)
-        if _is_tensor(dest) and tuple(dest.shape) == tuple(shape) and len(shape) > 0:
+        dest: Any = engine.get(name)
+        if dest is not None and _is_tensor(dest) and tuple(dest.shape) == tuple(shape) and len(shape) > 0:
             writers[name] = functools.partial(_write_rows, dest)
     return writers
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from mx_refit.checks import DIRECT, batches
 from mx_refit.errors import ChecksumMismatch, TransferError
 from mx_refit.receive.delta import DeltaPull, DeltaState, apply, changed_only, check_records, plan_delta
+from mx_refit.receive.failover import merged_pulls
 from mx_refit.receive.lease_order import lease_order
 from mx_refit.receive.plans import PlanCache, region_edges
 from mx_refit.types import RefitStats, TargetLayout, VersionInfo
@@ -207,7 +208,7 @@ class RefitCycle:
 
             with ThreadPoolExecutor(1, thread_name_prefix="mx-refit-checksum") as worker:
                 pulls, known = pull_and_sum(widening, arena, lambda batch: self.pull(leased, arena, batch), worker)
-            return _merged(pulls), known
+            return merged_pulls(pulls), known
         fused = self._arm_copy_sums(widening, arena)
         try:
             pulled = self.pull(leased, arena)
@@ -412,22 +413,3 @@ class RefitCycle:
             compile_target=self._plans.compile_target,
             receive_memory_bytes=self.arena.numel() if self.arena is not None else 0,
         )
-
-
-
-def _merged(pulls: "list[FailoverPull]") -> "FailoverPull":
-    """The batches' pulls as one (bytes, descriptors and handles added up; paths and failovers
-    joined)."""
-    from mx_refit.receive.failover import FailoverPull
-    from mx_refit.transport.base import ReadReport
-
-    nbytes: dict[str, int] = {}
-    paths: dict[str, str] = {}
-    for p in pulls:
-        for sid, n in p.report.nbytes.items():
-            nbytes[sid] = nbytes.get(sid, 0) + n
-        paths.update(p.report.paths)
-    report = ReadReport(nbytes, paths, sum(p.report.descriptors for p in pulls),
-                        sum(p.report.handles_opened for p in pulls))
-    failed = tuple(dict.fromkeys(s for p in pulls for s in p.failed_over))
-    return FailoverPull(report, failed, sum(p.bytes_reread for p in pulls))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import FailedPrecondition, InvalidArgument, PartiallyUpdated
+from mx_refit.receive.failover import merged_pulls
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
@@ -39,7 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from mx_refit.plan import PlannedOutput, ReceivePlan
-    from mx_refit.receive.cycle import RefitCycle, Stopwatch
     from mx_refit.receive.failover import FailoverPull
     from mx_refit.receive.lease_order import Leased, Requests
     from mx_refit.types import RefitStats
@@ -185,11 +185,12 @@ def _place(buffer: "torch.Tensor", piece: Piece) -> "torch.Tensor":
 
 
 class DirectRefit:
-    """One direct refit on a :class:`~mx_refit.receive.cycle.RefitCycle`: built (every check,
+    """One direct refit on a :class:`~mx_refit.receive.cycle.RefitCycle` (``cycle``; ``watch``
+    its refit's stopwatch; neither imported here: the cycle imports this module): built (every check,
     the buffer) before the first byte; :meth:`write` pulls and loads chunk by chunk;
     :meth:`finish` confirms the lease and reports."""
 
-    def __init__(self, cycle: "RefitCycle", leased: "Leased", plan: "ReceivePlan") -> None:
+    def __init__(self, cycle: Any, leased: "Leased", plan: "ReceivePlan") -> None:
         opts = cycle.options
         self.cycle, self.leased, self.plan = cycle, leased, plan
         self.what = f"refit of model {opts.model!r} version {leased.info.version}"
@@ -213,7 +214,7 @@ class DirectRefit:
         self.written = 0  # chunks handed to the engine (or being handed)
         self.pulls: list[FailoverPull] = []
 
-    def write(self, watch: "Stopwatch") -> None:
+    def write(self, watch: Any) -> None:
         """Every chunk: pull into the buffer, place the staged blocks, load into the engine."""
         pull_s = load_s = 0.0
         try:
@@ -255,12 +256,10 @@ class DirectRefit:
             model=info.model, version=info.version,
         )
 
-    def finish(self, watch: "Stopwatch", notify: bool, registrations_before: int) -> "RefitStats":
+    def finish(self, watch: Any, notify: bool, registrations_before: int) -> "RefitStats":
         """Confirm the lease was held for the whole pull (else the bytes written may have been
         mutated under it: :class:`PartiallyUpdated`), then the stats (``refit_done`` with ``notify``)."""
         import dataclasses
-
-        from mx_refit.receive.cycle import _merged
 
         began = time.perf_counter()
         try:
@@ -269,7 +268,7 @@ class DirectRefit:
             raise self.partial(exc) from exc
         watch.seconds["release"] = time.perf_counter() - began
         cycle = self.cycle
-        stats = cycle._stats(self.leased, self.plan, self.outputs, _merged(self.pulls), 0, confirmed_by,
+        stats = cycle._stats(self.leased, self.plan, self.outputs, merged_pulls(self.pulls), 0, confirmed_by,
                              watch.seconds, cycle.transport.registrations - registrations_before)
         stats = dataclasses.replace(stats, receive_mode="direct", chunks=len(self.chunks),
                                     receive_memory_bytes=self.buffer.numel())

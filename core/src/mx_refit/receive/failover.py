@@ -34,7 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from mx_refit.ranges import Range
     from mx_refit.transport.base import ReadReport
 
-__all__ = ["FailoverPull", "HolderIndex", "describe_ranges", "in_source_space", "pull_with_failover", "reroute"]
+__all__ = [
+    "FailoverPull", "HolderIndex", "describe_ranges", "in_source_space", "merged_pulls", "pull_with_failover", "reroute",
+]
 
 log = logging.getLogger(__name__)
 
@@ -302,3 +304,20 @@ def _unheld(
 
 def _named(missing: Sequence[tuple[str, int, int]]) -> list[tuple[str, str]]:
     return [(name, f"bytes [{a}, {b})") for name, a, b in missing]
+
+
+def merged_pulls(pulls: "list[FailoverPull]") -> "FailoverPull":
+    """The batches' pulls as one (bytes, descriptors and handles added up; paths and failovers
+    joined)."""
+    from mx_refit.transport.base import ReadReport
+
+    nbytes: dict[str, int] = {}
+    paths: dict[str, str] = {}
+    for p in pulls:
+        for sid, n in p.report.nbytes.items():
+            nbytes[sid] = nbytes.get(sid, 0) + n
+        paths.update(p.report.paths)
+    report = ReadReport(nbytes, paths, sum(p.report.descriptors for p in pulls),
+                        sum(p.report.handles_opened for p in pulls))
+    failed = tuple(dict.fromkeys(s for p in pulls for s in p.failed_over))
+    return FailoverPull(report, failed, sum(p.bytes_reread for p in pulls))

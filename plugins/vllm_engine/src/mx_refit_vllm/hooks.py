@@ -13,7 +13,8 @@ from mx_refit.types import TargetLayout
 
 
 def _is_mx_engine(engine: Any) -> bool:
-    return type(engine).__name__ == "MxWeightTransferEngine" and type(engine).__module__ == "mx_refit_vllm.engine"
+    kind = type(engine)
+    return kind.__name__ == "MxWeightTransferEngine" and kind.__module__ == "mx_refit_vllm.engine"
 
 
 def _is_vllm_model(engine: Any) -> bool:
@@ -48,7 +49,9 @@ def mx_refit_target_layout(engine: Any) -> TargetLayout | None:
 
 
 @hookimpl
-def mx_refit_direct_targets(engine: Any, tensors: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any] | None:
+def mx_refit_direct_targets(
+    engine: Any, tensors: list[tuple[str, tuple[int, ...], str]]
+) -> dict[str, Any] | None:
     """``receive_mode: direct`` into the mx engine's model: names checked (before any byte), and
     a row writer for every rank window placed straight into a vLLM parameter."""
     if _is_mx_engine(engine):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import torch
 
 import mx_refit
-from mx_refit.config import DEFAULT_SOURCE_TTL_S, check_count, check_flag, check_mode
+from mx_refit.config import DEFAULT_SOURCE_TTL_S, DIRECT, check_count, check_flag, check_mode
 from mx_refit.errors import InvalidArgument
 from mx_refit.types import MeshPosition, PublishedTensor, Role
 from mx_refit_vllm import BACKEND, SUPPORTED_VLLM, register
@@ -86,7 +86,9 @@ class MxTrainerInitInfo(TrainerInitInfo):
     :param staged: Start the workers' pull (``phase="stage"``) before pausing generation; the
         pause then covers the commit (the rest of the pull, if any, and the placement), and the
         pull overlaps the pause's drain of in-flight requests. ``False``: one ``phase="load"``
-        inside the pause.
+        inside the pause. Workers with ``worker={"receive_mode": "direct"}`` have no staging
+        arena: their load is always one ``phase="load"`` inside the pause (``staged`` is set
+        ``False``).
     :param pause: Pause generation around the load (or the commit) so no request sees a mix of
         versions: through the client's ``pause_generation(mode=...)`` / ``resume_generation()``
         when it has them (a wrapper around vLLM's engine client), or vLLM's ``/pause`` and
@@ -127,7 +129,8 @@ class MxTrainerInitInfo(TrainerInitInfo):
                 f"MxTrainerInitInfo.worker: expected a dict, got {type(self.worker).__name__}"
             )
         # Build (and so validate) the worker payload now, on every rank, not at the first RPC.
-        self.worker_init_info()
+        if self.worker_init_info().receive_mode == DIRECT:
+            self.staged = False  # no staging arena: one phase="load" inside the pause
 
     def worker_init_info(self) -> MxInitInfo:
         """The init info every inference worker receives."""
