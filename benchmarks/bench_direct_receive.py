@@ -10,13 +10,19 @@ CPU allocations during one more refit (torch's profiler records every allocation
 process, in order): the receive memory outside the parameters. Every refit's bytes are checked.
 
     python benchmarks/bench_direct_receive.py                       # ~260 MB model, CPU
-    python benchmarks/bench_direct_receive.py --layers 8 --out benchmarks/results/direct_receive_cpu.json
+    python benchmarks/bench_direct_receive.py --out benchmarks/results/direct_receive_cpu.json
+    python benchmarks/bench_direct_receive.py --device cuda:0 --layers 36 --hidden 4096 --inter 12288 \
+        --vocab 151936 --buffers-mib 64,256,1024 --out direct_receive_h200.json   # Qwen3-8B-shaped, one GPU
+
+On a GPU the source publishes from the same device and the receive memory is torch's CUDA
+allocation peak above what was allocated before the refit (``torch.cuda.max_memory_allocated``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -54,20 +60,28 @@ def tensors(spec: dict[str, tuple[int, ...]], seed: int):
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in spec.items()}
 
 
-def source_proc(address: str, spec: dict, conn) -> None:
+def source_proc(address: str, spec: dict, device: str, conn) -> None:
     from mx_refit.publisher import Publisher
     from mx_refit.types import PublishedTensor
 
     pub = Publisher(address, "bench-direct", expected_sources=1, ttl_s=60.0)
-    live = [PublishedTensor(n, t) for n, t in tensors(spec, 1).items()]
+    live = [PublishedTensor(n, t.to(device)) for n, t in tensors(spec, 1).items()]
     conn.send(pub.publish(1, live).value)
     conn.recv()  # stop
     pub.close()
 
 
-def allocation_peak(fn):
+def allocation_peak(fn, device: str = "cpu"):
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - before
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
@@ -79,27 +93,34 @@ def allocation_peak(fn):
     return result, peak
 
 
-def measure(address: str, spec: dict, mode: str, buffer_bytes: int, cycles: int, expected: dict) -> dict:
+def measure(address: str, spec: dict, mode: str, buffer_bytes: int, cycles: int, expected: dict,
+            device: str) -> dict:
     import torch
 
     from mx_refit import Receiver
 
-    engine = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in spec.items()}
-    kwargs = {"receive_mode": mode, "receive_buffer_bytes": buffer_bytes} if mode == "direct" else {}
+    engine = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in spec.items()}
+    kwargs: dict = {"device": device}
+    if mode == "direct":
+        kwargs.update(receive_mode=mode, receive_buffer_bytes=buffer_bytes)
     with Receiver(address, "bench-direct", engine=engine, **kwargs) as rec:
         rec.refit(1)  # warm: plan cached, memory registered
         walls = []
         for _ in range(cycles):
             for t in engine.values():
                 t.zero_()
+            if device != "cpu":
+                torch.cuda.synchronize(device)
             began = time.perf_counter()
             result = rec.refit(1)
+            if device != "cpu":
+                torch.cuda.synchronize(device)
             walls.append(time.perf_counter() - began)
             bad = [n for n, t in expected.items() if not torch.equal(engine[n], t)]
             assert not bad, f"{mode}: {len(bad)} tensors differ, e.g. {bad[:3]}"
         # A fresh receiver for the memory figure: its first refit allocates what it receives into.
     with Receiver(address, "bench-direct", engine=engine, **kwargs) as fresh:
-        measured, peak = allocation_peak(lambda: fresh.refit(1))
+        measured, peak = allocation_peak(lambda: fresh.refit(1), device)
     stats = result.stats
     return {
         "mode": mode,
@@ -121,24 +142,25 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--buffers-mib", default="1,16,64", help="direct receive_buffer_bytes values, MiB")
     parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N (source, receiver and parameters)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from mx_refit.catalog.server import start_embedded
 
     spec = shapes(args.hidden, args.inter, args.layers, args.vocab)
-    model_bytes = sum(2 * int(__import__("math").prod(s)) for s in spec.values())
+    model_bytes = sum(2 * math.prod(s) for s in spec.values())
     server = start_embedded()
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=source_proc, args=(server.address, spec, child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=source_proc, args=(server.address, spec, args.device, child), daemon=True)
     proc.start()
     try:
         assert parent.poll(300), "the source did not publish"
         print(f"published: {parent.recv()}; {len(spec)} tensors, {model_bytes / MIB:.1f} MiB", flush=True)
-        expected = tensors(spec, 1)
-        rows = [measure(server.address, spec, "staged", 0, args.cycles, expected)]
+        expected = {n: t.to(args.device) for n, t in tensors(spec, 1).items()}
+        rows = [measure(server.address, spec, "staged", 0, args.cycles, expected, args.device)]
         for mib in (float(x) for x in args.buffers_mib.split(",")):
-            rows.append(measure(server.address, spec, "direct", int(mib * MIB), args.cycles, expected))
+            rows.append(measure(server.address, spec, "direct", int(mib * MIB), args.cycles, expected, args.device))
     finally:
         parent.send("stop")
         proc.join(30)
@@ -152,7 +174,7 @@ def main() -> int:
               f"{row['chunks']:4d} chunks, receive memory {row['receive_memory_bytes'] / MIB:8.2f} MiB, "
               f"torch peak {row['torch_peak_bytes'] / MIB:8.2f} MiB ({row['peak_vs_model']:.3f}x the model)")
     report = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device},
         "model_bytes": model_bytes, "tensors": len(spec), "args": vars(args), "rows": rows,
     }
     if args.out:

@@ -83,6 +83,17 @@ def main() -> None:
         n for n in live_p if not torch.equal(live_p[n].view(torch.uint8), ref_p[n].view(torch.uint8))
     ]
     expert_params = [p for n, p in live_p.items() if n.endswith(("w13_weight", "w2_weight"))]
+    # receive_mode direct: the same windows again, into zeroed parameters, in pieces of 3 rows
+    # through the row writers (what the core's chunking hands a window larger than its buffer).
+    for p in live_p.values():
+        p.data.zero_()
+    writers = pm.row_writers([(n, tuple(w.shape), str(w.dtype)) for n, w in windows])
+    for n, w in windows:
+        for first in range(0, w.shape[0], 3) if n in writers else ():
+            writers[n](first, w[first : first + 3])
+    row_mismatched = [
+        n for n in live_p if not torch.equal(live_p[n].view(torch.uint8), ref_p[n].view(torch.uint8))
+    ]
     print(json.dumps({
         "coords": coords,
         "unproven": pm.unproven,
@@ -91,6 +102,8 @@ def main() -> None:
         "differ_before": len(differ_before),
         "compared": len(live_p),
         "mismatched": mismatched,
+        "row_mismatched": row_mismatched,
+        "row_unwritten": [n for n, _ in windows if n not in writers],
         "rest": [n for n, _ in rest],
         "placed_bytes": placed,
         "window_bytes": sum(w.numel() * w.element_size() for _, w in windows),

@@ -155,6 +155,44 @@ def test_tensors_the_model_does_not_have(tp1, good, publish, mx_catalog: str, mo
     )
 
 
+def test_direct_refuses_before_the_first_byte_and_names_a_partial_update(
+    tp1, good, publish, mx_catalog: str, model_name: str, ckpts: dict[int, Path]
+) -> None:
+    """``receive_mode: direct``: a version the engine would refuse (``model.norm.weight`` of the
+    wrong shape) is refused before the first byte with strict names (weights untouched); without
+    them the engine fails only at that tensor, after earlier chunks were written: the error says
+    the parameters are partially updated and names the version, and the engine reports no
+    version loaded until a refit succeeds."""
+    import torch
+
+    from mx_refit.types import PublishedTensor
+
+    bad = model_name + "-bad"
+    tensors = [t for t in _full(ckpts[2]) if t.name != "model.norm.weight"]
+    tensors.append(PublishedTensor("model.norm.weight", torch.randn(32)))
+    assert publish(bad, 1, tensors) == "READY"
+    assert publish(bad, 2, _full(ckpts[3])) == "READY"
+    init = {"catalog": mx_catalog, "model": bad, "receive_mode": "direct", "receive_buffer_bytes": 16384}
+    tp1.rpc("init_weight_transfer_engine", init_info=init)
+    tp1.rpc("start_weight_update")
+    with pytest.raises(RemoteError) as info:
+        tp1.rpc("update_weights", update_info={"version": 1})
+    assert info.value.kind == "InvalidArgument"
+    _assert_failed_cleanly(tp1, info.value, "model.norm.weight: shape (32,)")
+
+    tp1.rpc("init_weight_transfer_engine", init_info={**init, "strict_names": False})
+    tp1.rpc("start_weight_update")
+    with pytest.raises(RemoteError) as info:
+        tp1.rpc("update_weights", update_info={"version": 1})
+    assert info.value.kind == "PartiallyUpdated"
+    assert "part of version 1 and part of the previous weights; do not serve them, refit again" in info.value.message
+    (stats,) = tp1.stats()
+    assert stats["partially_updated"] == (bad, 1) and stats["receive"] is None
+    assert not (stats["active"] or stats["session"])
+    tp1.refit(init, {"version": 2}, ckpts[3])  # the caller refits again: every parameter right
+    assert tp1.stats()[0]["partially_updated"] is None
+
+
 def test_coverage_gap(tp1, good, publish, mx_catalog: str, model_name: str, ckpts: dict[int, Path]) -> None:
     """Only half of a sharded tensor was published: the catalog refuses to make the version
     READY, naming the tensor and the rows, so no worker is ever offered it."""

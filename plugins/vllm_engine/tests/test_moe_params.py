@@ -113,6 +113,8 @@ def test_fused_moe_experts_placed_rank_exactly(world: int, ep: bool, moe_ckpts: 
         assert r["unproven"] == {} and len(r["moe_layers"]) == layers, r["unproven"]
         assert r["differ_before"] == r["compared"] > 0  # the next version differs everywhere
         assert r["mismatched"] == [] and r["rest"] == [], (rank, r["mismatched"], r["rest"])
+        # Row pieces (receive_mode direct) land the same bytes into zeroed parameters.
+        assert r["row_mismatched"] == [] and r["row_unwritten"] == [], (rank, r["row_mismatched"], r["row_unwritten"])
         assert r["placed_bytes"] == r["window_bytes"]  # every received byte went into a parameter
         # Only its own expert bytes: 1/TP of every expert, or its EP block of whole experts.
         own = layers * experts * 3 * h * inter * 4 // world  # fp32
