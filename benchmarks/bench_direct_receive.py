@@ -9,8 +9,8 @@ through a buffer of ``receive_buffer_bytes`` chunk by chunk, writing each chunk 
 CPU allocations during one more refit (torch's profiler records every allocation and free of the
 process, in order): the receive memory outside the parameters. Every refit's bytes are checked.
 
-    python benchmarks/bench_direct_receive.py                       # ~260 MB model, CPU
-    python benchmarks/bench_direct_receive.py --out benchmarks/results/direct_receive_cpu.json
+    python benchmarks/bench_direct_receive.py                       # ~250 MB model, CPU
+    OMP_NUM_THREADS=1 python benchmarks/bench_direct_receive.py --cycles 7 --out direct_receive_cpu.json  # a shared box
     python benchmarks/bench_direct_receive.py --device cuda:0 --layers 36 --hidden 4096 --inter 12288 \
         --vocab 151936 --buffers-mib 64,256,1024 --out direct_receive_h200.json   # Qwen3-8B-shaped, one GPU
 
