@@ -193,6 +193,54 @@ def test_hook_mx_refit_load_weights(mx_catalog, mx_model_name):
         Hooks().load_weights(object(), [])
 
 
+def test_hook_mx_refit_direct_targets(mx_catalog, mx_model_name):
+    """receive_mode direct asks the engine once, before the first byte: its row writers take the
+    tensors larger than the buffer in pieces, the rest come whole through load_weights; raising
+    refuses the version with the engine untouched."""
+    params = {"big": torch.zeros(64, 32), "small": torch.zeros(8)}
+    asked, pieces, whole = [], [], []
+
+    class Engine:
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                whole.append(name)
+                params[name].copy_(tensor)
+
+    class Rows:
+        refuse = False
+
+        @hookimpl
+        def mx_refit_direct_targets(self, engine, tensors):
+            asked.append(sorted(tensors))
+            if self.refuse:
+                raise InvalidArgument("engine: no such tensors")
+
+            def write(first, rows):
+                pieces.append((first, rows.shape[0]))
+                params["big"][first : first + rows.shape[0]].copy_(rows)
+
+            return {"big": write}
+
+    rows = Rows()
+    hooks = Hooks()
+    hooks.register(rows)
+    big, small = torch.randn(64, 32), torch.randn(8)
+    with Publisher(mx_catalog, mx_model_name, hooks=hooks) as pub, Receiver(
+        mx_catalog, mx_model_name, engine=Engine(), hooks=hooks, receive_mode="direct", receive_buffer_bytes=4096
+    ) as rec:
+        pub.publish(1, [PublishedTensor("big", big), PublishedTensor("small", small)])
+        rows.refuse = True
+        with pytest.raises(InvalidArgument, match="no such tensors"):
+            rec.refit(1)
+        assert not pieces and not whole and not params["big"].any()  # refused before any byte
+        rows.refuse = False
+        stats = rec.refit(1).stats
+    assert asked[-1] == [("big", (64, 32), "float32"), ("small", (8,), "float32")]
+    assert torch.equal(params["big"], big) and torch.equal(params["small"], small)
+    assert whole == ["small"] and len(pieces) == stats.chunks == 3  # 8 KiB through 4 KiB: rows 0-30, 31-61, 62-63 + small
+    assert sum(n for _, n in pieces) == 64
+
+
 def test_hook_mx_refit_version_published(pair):
     hooks, pub, rec = pair
     seen = []

@@ -254,6 +254,11 @@ class Receiver:
         holding the same bytes (``stats.failed_over``); when none does, the refit raises
         :class:`~mx_refit.errors.TransferError` naming the source and the ranges.
 
+        With ``receive_mode="direct"`` the bytes go into the engine chunk by chunk instead (see
+        :mod:`mx_refit.receive.direct`): every check runs before the first write, a failure
+        after it raises :class:`~mx_refit.errors.PartiallyUpdated`, and ``result.tensors`` is
+        empty (the bytes are in the engine's parameters, not in an arena).
+
         :param notify: fire ``mx_refit_refit_done`` at the end. Engines that load the returned
             tensors themselves pass ``False`` and call ``hooks.refit_done(result.stats)`` once
             their load finished.
