@@ -226,6 +226,10 @@ class DirectRefit:
                 pull_s += loaded - began
                 self.written += 1
                 self._load(placed)
+                if self.buffer.is_cuda:  # the copies out of the buffer finish before the next pull rewrites it
+                    import torch
+
+                    torch.cuda.synchronize(self.buffer.device)
                 load_s += time.perf_counter() - loaded
         except BaseException as exc:
             if self.written:

@@ -21,7 +21,7 @@ from mx_refit.config import (
     DEFAULT_RECEIVE_BUFFER_BYTES,
     DEFAULT_TRANSFER_TIMEOUT_S,
 )
-from mx_refit.errors import FailedPrecondition, MxRefitError, TransferError
+from mx_refit.errors import FailedPrecondition, MxRefitError, PartiallyUpdated, TransferError
 from mx_refit.receive.cycle import RefitCycle, RefitResult
 from mx_refit.receive.lease import LeaseRenewer
 from mx_refit.receive.lease_order import discover
@@ -337,7 +337,7 @@ class Receiver:
             return self._cycle.run(version, min_version, wait_s, notify, attempt, load)
         except Exception as exc:
             error = exc
-            if self._closing and not isinstance(exc, TransferError):
+            if self._closing and not isinstance(exc, (TransferError, PartiallyUpdated)):
                 # Closed under the refit: whichever part noticed first (the lease, the catalog
                 # client, the transport), the caller sees one kind of error.
                 error = TransferError(f"receiver {self.reader_id!r} was closed during the refit: {exc}")
