@@ -122,3 +122,19 @@ def test_a_client_that_cannot_pause_is_refused() -> None:
     pause()
     resume()
     assert seen == [("pause", "keep"), ("resume", None)]
+
+
+def test_direct_workers_load_in_one_paused_step() -> None:
+    """Workers with ``receive_mode: direct`` have no staging arena: the trainer engine drives one
+    ``phase="load"`` inside its pause instead of stage + commit; bad worker settings are refused
+    at construction, naming the field."""
+    from mx_refit.errors import InvalidArgument
+    from mx_refit_vllm.trainer import MxTrainerInitInfo
+
+    info = MxTrainerInitInfo(catalog="h:1", model="m", rank=0,
+                             worker={"receive_mode": "direct", "receive_buffer_bytes": 1 << 20})
+    assert info.staged is False and info.pause is True
+    assert info.worker_init_info().receive_buffer_bytes == 1 << 20
+    assert MxTrainerInitInfo(catalog="h:1", model="m", rank=0).staged is True
+    with pytest.raises(InvalidArgument, match=r"MxInitInfo.receive_buffer_bytes: must be an integer >= 4096, got 10"):
+        MxTrainerInitInfo(catalog="h:1", model="m", rank=0, worker={"receive_mode": "direct", "receive_buffer_bytes": 10})

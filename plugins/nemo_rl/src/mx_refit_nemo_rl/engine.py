@@ -153,6 +153,12 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self._require_prepared("init_rollout_process_group")
         self.side = ROLLOUT
         self._address = self._catalog_address(metadata)
+        if self.config.receive_mode != "staged":
+            raise InvalidArgument(
+                f"weight_sync.receive_mode: {self.config.receive_mode!r} is not supported by the NeMo RL "
+                f"checkpoint engine (it hands NeMo RL's loader the received tensors in batches, from the "
+                f"receive arena); use 'staged'"
+            )
         if self._receiver is None:
             self._receiver = mx_refit.Receiver.from_config(
                 self.config,
