@@ -46,6 +46,10 @@ def test_class_path_constructs_and_satisfies_the_abc() -> None:
             {"weight_sync": {"nemo_rl": {"arena_device": "host"}}},
             r"weight_sync.nemo_rl.arena_device: 'host' \(expected one of \['worker', 'gpu', 'cpu'\]\)",
         ),
+        (
+            {"weight_sync": {"receive_mode": "direct"}},
+            r"weight_sync.receive_mode: 'direct' is not supported by the NeMo RL checkpoint engine",
+        ),
     ],
 )
 def test_bad_engine_kwargs_name_the_field(kwargs: dict, message: str) -> None:

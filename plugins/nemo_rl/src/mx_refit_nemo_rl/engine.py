@@ -87,6 +87,12 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self.bucket_size = settings.bucket_size
         self.release_after_refit = settings.release_after_refit
         self.config = settings.config
+        if self.config.receive_mode != "staged":
+            raise InvalidArgument(
+                f"weight_sync.receive_mode: {self.config.receive_mode!r} is not supported by the NeMo RL "
+                f"checkpoint engine (it hands NeMo RL's loader the received tensors in batches, from the "
+                f"receive arena); use 'staged'"
+            )
         self.arena_device = settings.arena_device
         self.side: str | None = None
         self.policy_worker: Any = owners.find_in_stack(skip=1)
@@ -153,12 +159,6 @@ class MxCheckpointEngine(_CheckpointEngineBase):  # type: ignore[misc,valid-type
         self._require_prepared("init_rollout_process_group")
         self.side = ROLLOUT
         self._address = self._catalog_address(metadata)
-        if self.config.receive_mode != "staged":
-            raise InvalidArgument(
-                f"weight_sync.receive_mode: {self.config.receive_mode!r} is not supported by the NeMo RL "
-                f"checkpoint engine (it hands NeMo RL's loader the received tensors in batches, from the "
-                f"receive arena); use 'staged'"
-            )
         if self._receiver is None:
             self._receiver = mx_refit.Receiver.from_config(
                 self.config,
