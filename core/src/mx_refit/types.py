@@ -388,6 +388,9 @@ class SourceInfo:
     layout_digest: str = field(default="", compare=False)
     cuda_ipc: CudaIpcExport | None = None
     incarnation: str = ""
+    # Set by the catalog like ``layout_digest``: a stable hash of ``agent_metadata`` (which
+    # lists every region the agent registered), so an unchanged one stays off the wire.
+    agent_metadata_digest: str = field(default="", compare=False)
     checksums: BlockChecksums | None = None
     # A replica source (``weight_sync.fanout: tree``): the trainer sources' bytes it holds, and
     # ``tensors`` is its one registered receive arena (a uint8 buffer). Empty for a trainer rank.

@@ -510,11 +510,13 @@ class CatalogClient(AnswerEpochs):
             min_version=min_version,
             known_layout_digests=known.layout_digests,
             known_sidecar_digest=known.sidecar_digest,
+            known_agent_metadata_digests=known.metadata_digests,
             **exact,
         )
 
     def _version_from_reply(self, msg: pb.VersionInfo, known: Known) -> VersionInfo:
         sent = [len(source.tensors) for source in msg.sources if not source.tensors_omitted]
+        metadata_omitted = sum(source.agent_metadata_omitted for source in msg.sources)
         self._manifests.count(
             replies=1,
             sources_sent=len(sent),
@@ -522,6 +524,8 @@ class CatalogClient(AnswerEpochs):
             descriptors_sent=sum(sent),
             sidecars_sent=0 if msg.sidecar_omitted else 1,
             sidecars_omitted=1 if msg.sidecar_omitted else 0,
+            metadata_sent=len(msg.sources) - metadata_omitted,
+            metadata_omitted=metadata_omitted,
         )
         return convert.version_info_from_proto(msg, known)
 

@@ -243,11 +243,12 @@ def descriptor_from_proto(msg: pb.TensorDescriptor, field: str = "tensor") -> Te
 
 
 def source_to_proto(
-    source: SourceInfo, msg: pb.SourceInfo | None = None, *, omit_tensors: bool = False
+    source: SourceInfo, msg: pb.SourceInfo | None = None, *, omit_tensors: bool = False,
+    omit_metadata: bool = False,
 ) -> pb.SourceInfo:
     """``SourceInfo`` -> message (filled into ``msg`` when given); ``omit_tensors`` leaves
     tensors, regions and the CUDA IPC export (all three covered by the layout digest) out and
-    says so (``tensors_omitted``)."""
+    says so (``tensors_omitted``); ``omit_metadata`` the agent metadata (``agent_metadata_omitted``)."""
     msg = pb.SourceInfo() if msg is None else msg
     if not isinstance(source, SourceInfo):
         raise InvalidArgument(f"source: expected a SourceInfo, got {type(source).__name__}")
@@ -255,7 +256,11 @@ def source_to_proto(
         msg.source_id = source.source_id
         msg.mesh.CopyFrom(mesh_to_proto(source.mesh))
         msg.agent_name = source.agent_name
-        msg.agent_metadata = bytes(source.agent_metadata)
+        if omit_metadata and source.agent_metadata_digest:
+            msg.agent_metadata_omitted = True
+        else:
+            msg.agent_metadata = bytes(source.agent_metadata)
+        msg.agent_metadata_digest = source.agent_metadata_digest
         msg.ready = source.ready
         msg.layout_digest = source.layout_digest
         msg.incarnation = source.incarnation
@@ -307,6 +312,7 @@ def source_from_proto(
     """
     digest = msg.layout_digest
     layout = known.layouts.get(digest) if known is not None and digest else None
+    metadata = _held_metadata(msg, field, known) if msg.agent_metadata_omitted else msg.agent_metadata
     if layout is not None and (layout.cuda_ipc is not None or msg.tensors_omitted):
         cuda_ipc = layout.cuda_ipc  # the held (identical) object: later checks are identity
     else:
@@ -332,12 +338,13 @@ def source_from_proto(
         source_id=msg.source_id,
         mesh=mesh_from_proto(msg.mesh),
         agent_name=msg.agent_name,
-        agent_metadata=msg.agent_metadata,
+        agent_metadata=metadata,
         tensors=tensors,
         ready=msg.ready,
         regions=regions,
         layout_digest=digest,
         incarnation=msg.incarnation,
+        agent_metadata_digest=msg.agent_metadata_digest,
         cuda_ipc=cuda_ipc,
         checksums=checksums_from_proto(msg.checksums, f"{field}.checksums") if msg.HasField("checksums") else None,
         mirrors=tuple(Mirror(m.source_id, m.source_addr, m.nbytes, m.addr) for m in msg.mirrors),
@@ -349,6 +356,20 @@ def source_from_proto(
         ),
         delta=delta_from_proto(msg.delta) if msg.HasField("delta") else None,
     )
+
+
+def _held_metadata(msg: pb.SourceInfo, field: str, known: Known | None) -> bytes:
+    """The agent metadata a reply left out, from what the reader holds (by digest)."""
+    if known is None:
+        raise InvalidArgument(f"{field}.agent_metadata_omitted: only GetVersion replies may leave it out")
+    digest = msg.agent_metadata_digest
+    held = known.metadata.get(digest) if digest else None
+    if held is None:
+        raise UnknownDigest(
+            f"{field}: the catalog left out the agent metadata of source {msg.source_id!r} "
+            f"({digest or '<no digest>'}), which this reader does not hold"
+        )
+    return held
 
 
 def checksums_from_proto(msg: pb.BlockChecksums, field: str) -> BlockChecksums:
@@ -455,10 +476,12 @@ def manifest_to_proto(
     known_layouts: Mapping[str, str],
     known_sidecar: str,
     msg: pb.VersionInfo | None = None,
+    known_metadata: Mapping[str, str] | None = None,
 ) -> pb.VersionInfo:
     """A served version -> message (filled into ``msg`` when given), leaving out what the
     reader holds: the tensors of each source whose ``layout_digest`` equals the reader's for
-    that source id (``known_layouts``), and the sidecar when its digest is ``known_sidecar``.
+    that source id (``known_layouts``), its agent metadata likewise (``known_metadata``), and
+    the sidecar when its digest is ``known_sidecar``.
     """
     msg = pb.VersionInfo() if msg is None else msg
     msg.model = manifest.model
@@ -473,7 +496,9 @@ def manifest_to_proto(
     for source in manifest.sources:
         digest = source.layout_digest
         omit = bool(digest) and known_layouts.get(source.source_id) == digest
-        source_to_proto(source, msg.sources.add(), omit_tensors=omit)
+        held = known_metadata.get(source.source_id) if known_metadata else None
+        source_to_proto(source, msg.sources.add(), omit_tensors=omit,
+                        omit_metadata=bool(held) and held == source.agent_metadata_digest)
     for replica in manifest.replicas:  # small (one arena each) and short-lived: always whole
         source_to_proto(replica, msg.replicas.add())
     if manifest.readers:

@@ -5,6 +5,9 @@ descriptors (and the merged sidecar) are usually identical to the previous versi
 catalog stamps every registered source with a ``layout_digest`` (a stable hash of its
 descriptors and regions) and every version with a ``sidecar_digest``; a reader announces the
 digests it holds in ``GetVersionRequest`` and the catalog leaves those parts out of the reply.
+A source's NIXL agent metadata (which lists every region the agent registered: ~44 bytes per
+separately allocated tensor) has its own ``agent_metadata_digest`` and is left out the same way,
+so a steady reply carries no per-tensor bytes at all.
 
 * Catalog side: :func:`stamp_layout` reuses the previous registration's descriptor tuple,
   CUDA IPC export and digest when the layout is unchanged, so the common case costs one equality check and no
@@ -38,6 +41,7 @@ __all__ = [
     "ManifestStats",
     "UnknownDigest",
     "layout_digest",
+    "metadata_digest",
     "same_tensors",
     "sidecar_digest",
     "stamp_layout",
@@ -109,6 +113,13 @@ def _compile_form(d: TensorDescriptor) -> tuple[Any, ...]:
     return ("compile", d.compile_target, d.compile_metadata)
 
 
+def metadata_digest(metadata: bytes) -> str:
+    """Stable hex digest of a source's NIXL agent metadata ("" for none)."""
+    if not metadata:
+        return ""
+    return hashlib.blake2b(bytes(metadata), digest_size=_DIGEST_BYTES, person=b"mx-refit/agent").hexdigest()
+
+
 def sidecar_digest(sidecar_text: str) -> str:
     """Stable hex digest of a sidecar's canonical JSON text."""
     return _digest(sidecar_text, b"mx-refit/sidecar")
@@ -137,7 +148,8 @@ def same_tensors(
 
 
 def stamp_layout(source: SourceInfo, previous: Layout | None) -> tuple[SourceInfo, Layout]:
-    """``source`` with its ``layout_digest`` set, and its :class:`Layout`.
+    """``source`` with its ``layout_digest`` and ``agent_metadata_digest`` set, and its
+    :class:`Layout`.
 
     ``previous`` is the same source id's last registered layout: when the new one is equal,
     its tuple objects and digest are reused (no hashing; later equality checks against it are
@@ -157,7 +169,7 @@ def stamp_layout(source: SourceInfo, previous: Layout | None) -> tuple[SourceInf
         )
     stamped = replace(
         source, tensors=layout.tensors, regions=layout.regions, layout_digest=layout.digest,
-        cuda_ipc=layout.cuda_ipc,
+        cuda_ipc=layout.cuda_ipc, agent_metadata_digest=metadata_digest(source.agent_metadata),
     )
     return stamped, layout
 
@@ -169,15 +181,18 @@ def stamp_layout(source: SourceInfo, previous: Layout | None) -> tuple[SourceInf
 class Known:
     """What a reader holds for one model when it asks for a version.
 
-    ``layout_digests`` (source_id -> digest) and ``sidecar_digest`` go into the request;
-    ``layouts`` and ``sidecars`` (by digest) complete the reply. A snapshot: later evictions
-    from the cache cannot take away what a request in flight announced.
+    ``layout_digests`` and ``metadata_digests`` (source_id -> digest) and ``sidecar_digest``
+    go into the request; ``layouts``, ``metadata`` and ``sidecars`` (by digest) complete the
+    reply. A snapshot: later evictions from the cache cannot take away what a request in flight
+    announced.
     """
 
     layout_digests: Mapping[str, str] = field(default_factory=dict)
     sidecar_digest: str = ""
     layouts: Mapping[str, Layout] = field(default_factory=dict)
     sidecars: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    metadata_digests: Mapping[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, bytes] = field(default_factory=dict)
 
 
 NOTHING_KNOWN = Known()
@@ -193,6 +208,8 @@ class ManifestStats:
     descriptors_sent: int = 0  # descriptors that came over the wire
     sidecars_sent: int = 0
     sidecars_omitted: int = 0
+    metadata_sent: int = 0  # sources whose NIXL agent metadata came over the wire
+    metadata_omitted: int = 0  # sources whose agent metadata was left out (digest known)
     refetches: int = 0  # replies that left out something unknown, so asked again in full
 
 
@@ -204,6 +221,10 @@ class _ModelEntry:
     recent: deque[tuple[frozenset[str], str]] = field(default_factory=deque)
     latest: dict[str, str] = field(default_factory=dict)  # source_id -> digest, newest reply
     latest_sidecar: str = ""
+    # Agent metadata like layouts: by digest, the newest reply's per source, the last few kept.
+    metadata: dict[str, bytes] = field(default_factory=dict)
+    latest_metadata: dict[str, str] = field(default_factory=dict)
+    recent_metadata: deque[frozenset[str]] = field(default_factory=deque)
 
 
 class ManifestCache:
@@ -246,6 +267,8 @@ class ManifestCache:
                 sidecar_digest=entry.latest_sidecar,
                 layouts=dict(entry.layouts),
                 sidecars=dict(entry.sidecars),
+                metadata_digests=dict(entry.latest_metadata),
+                metadata=dict(entry.metadata),
             )
 
     def remember(self, model: str, info: VersionInfo) -> None:
@@ -271,6 +294,7 @@ class ManifestCache:
             if info.sidecar_digest and info.sidecar_digest not in entry.sidecars:
                 entry.sidecars[info.sidecar_digest] = info.sidecar
             entry.latest, entry.latest_sidecar = latest, info.sidecar_digest
+            self._remember_metadata(entry, info)
             entry.recent.append((frozenset(latest.values()), info.sidecar_digest))
             if len(entry.recent) > self._versions:
                 entry.recent.popleft()
@@ -278,6 +302,18 @@ class ManifestCache:
                 live_sidecars = {digest for _, digest in entry.recent}
                 entry.layouts = {d: v for d, v in entry.layouts.items() if d in live}
                 entry.sidecars = {d: v for d, v in entry.sidecars.items() if d in live_sidecars}
+
+    def _remember_metadata(self, entry: _ModelEntry, info: VersionInfo) -> None:
+        latest = {s.source_id: s.agent_metadata_digest for s in info.sources if s.agent_metadata_digest}
+        for source in info.sources:
+            if source.agent_metadata_digest and source.agent_metadata_digest not in entry.metadata:
+                entry.metadata[source.agent_metadata_digest] = source.agent_metadata
+        entry.latest_metadata = latest
+        entry.recent_metadata.append(frozenset(latest.values()))
+        if len(entry.recent_metadata) > self._versions:
+            entry.recent_metadata.popleft()
+            live = frozenset().union(*entry.recent_metadata)
+            entry.metadata = {d: v for d, v in entry.metadata.items() if d in live}
 
     def clear(self) -> None:
         """Forget everything (counters stay)."""

@@ -124,6 +124,7 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
             request.known_layout_digests,
             request.known_sidecar_digest,
             reply.version_info,  # filled in place: no copy of a large manifest
+            request.known_agent_metadata_digests,
         )
         return reply
 
@@ -190,7 +191,8 @@ class CatalogServicer(catalog_pb2_grpc.CatalogServiceServicer):
         )
         reply = pb.LeaseVersionReply(lease_id=lease_id, express_port=self.express_port, catalog_epoch=self._epoch())
         convert.manifest_to_proto(
-            manifest, find.known_layout_digests, find.known_sidecar_digest, reply.version_info
+            manifest, find.known_layout_digests, find.known_sidecar_digest, reply.version_info,
+            find.known_agent_metadata_digests,
         )
         return reply
 

@@ -139,7 +139,7 @@ class CompileCompat(_message.Message):
     def __init__(self, framework: _Optional[str] = ..., torch_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., gpu_arch: _Optional[str] = ..., compile_config_digest: _Optional[str] = ...) -> None: ...
 
 class SourceInfo(_message.Message):
-    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "cuda_ipc", "checksums", "mirrors", "lease_fence_s", "revision", "compat", "delta")
+    __slots__ = ("source_id", "mesh", "agent_name", "agent_metadata", "tensors", "ready", "regions", "layout_digest", "tensors_omitted", "incarnation", "agent_metadata_digest", "agent_metadata_omitted", "cuda_ipc", "checksums", "mirrors", "lease_fence_s", "revision", "compat", "delta")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,8 @@ class SourceInfo(_message.Message):
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TENSORS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_OMITTED_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +169,8 @@ class SourceInfo(_message.Message):
     layout_digest: str
     tensors_omitted: bool
     incarnation: str
+    agent_metadata_digest: str
+    agent_metadata_omitted: bool
     cuda_ipc: CudaIpcExport
     checksums: BlockChecksums
     mirrors: _containers.RepeatedCompositeFieldContainer[Mirror]
@@ -174,7 +178,7 @@ class SourceInfo(_message.Message):
     revision: str
     compat: CompileCompat
     delta: SourceDelta
-    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: bool = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: bool = ..., incarnation: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ..., revision: _Optional[str] = ..., compat: _Optional[_Union[CompileCompat, _Mapping]] = ..., delta: _Optional[_Union[SourceDelta, _Mapping]] = ...) -> None: ...
+    def __init__(self, source_id: _Optional[str] = ..., mesh: _Optional[_Union[MeshPosition, _Mapping]] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., ready: bool = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., layout_digest: _Optional[str] = ..., tensors_omitted: bool = ..., incarnation: _Optional[str] = ..., agent_metadata_digest: _Optional[str] = ..., agent_metadata_omitted: bool = ..., cuda_ipc: _Optional[_Union[CudaIpcExport, _Mapping]] = ..., checksums: _Optional[_Union[BlockChecksums, _Mapping]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., lease_fence_s: _Optional[float] = ..., revision: _Optional[str] = ..., compat: _Optional[_Union[CompileCompat, _Mapping]] = ..., delta: _Optional[_Union[SourceDelta, _Mapping]] = ...) -> None: ...
 
 class TensorDelta(_message.Message):
     __slots__ = ("tensor", "form", "offset", "nbytes", "changed", "narrow")
@@ -391,8 +395,15 @@ class HeartbeatReply(_message.Message):
     def __init__(self, gone_source_ids: _Optional[_Iterable[str]] = ..., catalog_epoch: _Optional[str] = ...) -> None: ...
 
 class GetVersionRequest(_message.Message):
-    __slots__ = ("model", "version", "min_version", "known_layout_digests", "known_sidecar_digest")
+    __slots__ = ("model", "version", "min_version", "known_layout_digests", "known_sidecar_digest", "known_agent_metadata_digests")
     class KnownLayoutDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class KnownAgentMetadataDigestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -404,12 +415,14 @@ class GetVersionRequest(_message.Message):
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LAYOUT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     KNOWN_SIDECAR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_AGENT_METADATA_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     min_version: int
     known_layout_digests: _containers.ScalarMap[str, str]
     known_sidecar_digest: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., min_version: _Optional[int] = ..., known_layout_digests: _Optional[_Mapping[str, str]] = ..., known_sidecar_digest: _Optional[str] = ...) -> None: ...
+    known_agent_metadata_digests: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., min_version: _Optional[int] = ..., known_layout_digests: _Optional[_Mapping[str, str]] = ..., known_sidecar_digest: _Optional[str] = ..., known_agent_metadata_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetVersionReply(_message.Message):
     __slots__ = ("version_info", "catalog_epoch")
