@@ -93,6 +93,21 @@ class _Job:
     attempts: int = 0
     last_error: str = ""
     permanent: bool = False  # retrying cannot help
+    prepared: "_Prepared | None" = None
+
+
+@dataclass
+class _Prepared:
+    """One peer's last checked read: the caller's ops list (trusted unchanged while it is the
+    same object: receivers hand their cached plan's lists every steady cycle), the ranges to post,
+    their bytes, and the NIXL descriptor lists once built. Valid while the memory locations and
+    the local registrations (``generation``) are the same."""
+
+    given: Sequence[Range]
+    where: tuple[str, int, str, int, int]  # remote mem, remote dev, local mem, local dev, generation
+    ops: list[Range]
+    nbytes: int
+    descs: tuple[Any, Any] | None = None  # (local, remote) NIXL descriptor lists
 
 class NixlTransport:
     """One NIXL agent (per process) that registers local memory and READs from remote peers.
@@ -147,6 +162,9 @@ class NixlTransport:
         self.descriptors_posted = 0
         self.transfers = 0  # NIXL requests posted, retries included
         self.retries = 0
+        # peer -> its last checked read; and the ops lists last checked disjoint together
+        self._prepared: dict[str, _Prepared] = {}
+        self._disjoint: tuple[Sequence[Range], ...] = ()
 
     # ------------------------------------------------------------------ identity / counters
     @property
@@ -234,6 +252,7 @@ class NixlTransport:
         """Forget ``peer_key``; its remote agent is removed once no other peer key uses it."""
         with self._lock:
             self._remote.disconnect(peer_key)
+            self._prepared.pop(peer_key, None)
 
     def _drop_disconnected(self, job: _Job) -> None:
         """The peer's endpoint failed (it died, or its link did): the read fails now, without
@@ -317,28 +336,20 @@ class NixlTransport:
                 r_mem = remote_mem[key] if isinstance(remote_mem, Mapping) else remote_mem
                 r_dev = remote_dev[key] if isinstance(remote_dev, Mapping) else remote_dev
                 _check_mem(f"remote_mem[{key}]", r_mem)
-                try:
-                    merged = coalesce(ops) if merge else [(int(r), int(lo), int(n)) for r, lo, n in ops if n]
-                except ValueError as exc:
-                    raise InvalidArgument(f"peer {key}: ops: {exc}") from exc
-                for _remote, local, n in merged:
-                    if not self._memory.covered(local_mem, local_dev, local, n):
-                        raise InvalidArgument(
-                            f"peer {key}: local range {local:#x}+{n} ({local_mem} device {local_dev}) "
-                            f"is not inside memory registered with agent {self._name}; register() "
-                            "the destination arena first"
-                        )
-                if not merged:
+                prepared = self._prepare(key, ops, merge, (r_mem, int(r_dev), local_mem, local_dev, 0))
+                if not prepared.ops:
                     results[key] = TransferStats(key, peer.agent_name, 0, 0, len(ops), 0.0, 0)
                     continue
-                jobs.append(
-                    _Job(key, peer.agent_name, merged, len(ops), r_mem, int(r_dev), local_mem, local_dev)
-                )
+                jobs.append(_Job(key, peer.agent_name, prepared.ops, len(ops), r_mem, int(r_dev), local_mem,
+                                 local_dev, prepared=prepared))
 
-        try:
-            check_local_disjoint([r for job in jobs for r in job.ops])
-        except ValueError as exc:
-            raise InvalidArgument(f"requests: two peers write the same local bytes: {exc}") from exc
+        checked = tuple(job.ops for job in jobs)
+        if len(checked) != len(self._disjoint) or any(a is not b for a, b in zip(checked, self._disjoint)):
+            try:
+                check_local_disjoint([r for job in jobs for r in job.ops])
+            except ValueError as exc:
+                raise InvalidArgument(f"requests: two peers write the same local bytes: {exc}") from exc
+            self._disjoint = checked
 
         try:
             failed = self._run(jobs, timeout, started, results, abort_check, gone)
@@ -355,6 +366,47 @@ class NixlTransport:
                 failed_sources=tuple(j.peer_key for j in failed), completed_sources=frozenset(results),
             )
         return results
+
+    def _prepare(self, key: str, ops: Sequence[Range], merge: bool, where: tuple[str, int, str, int, int]) -> _Prepared:
+        """``ops`` of peer ``key`` checked (coalesced unless ``merge`` is False, every local
+        range inside registered memory), or the same list's check of an earlier read: a steady
+        cycle does no per-range work here. Called under the lock."""
+        where = (*where[:4], self._memory.generation)
+        last = self._prepared.get(key)
+        if last is not None and last.given is ops and last.where == where and not merge:
+            return last
+        local_mem, local_dev = where[2], where[3]
+        try:
+            merged = coalesce(ops) if merge else [(int(r), int(lo), int(n)) for r, lo, n in ops if n]
+        except ValueError as exc:
+            raise InvalidArgument(f"peer {key}: ops: {exc}") from exc
+        for _remote, local, n in merged:
+            if not self._memory.covered(local_mem, local_dev, local, n):
+                raise InvalidArgument(
+                    f"peer {key}: local range {local:#x}+{n} ({local_mem} device {local_dev}) "
+                    f"is not inside memory registered with agent {self._name}; register() "
+                    "the destination arena first"
+                )
+        prepared = _Prepared(ops, where, merged, total_bytes(merged))
+        self._prepared[key] = prepared
+        return prepared
+
+    def _descs(self, job: _Job) -> tuple[Any, Any]:
+        """The job's local and remote NIXL descriptor lists, built once per prepared read."""
+        prepared = job.prepared
+        if prepared is not None and prepared.descs is not None:
+            return prepared.descs
+        import numpy as np
+
+        arr = np.asarray(job.ops, dtype=np.uint64)
+        local = np.empty_like(arr)
+        remote = np.empty_like(arr)
+        local[:, 0], local[:, 1], local[:, 2] = arr[:, 1], arr[:, 2], job.local_dev
+        remote[:, 0], remote[:, 1], remote[:, 2] = arr[:, 0], arr[:, 2], job.remote_dev
+        descs = (self._agent.get_xfer_descs(local, job.local_mem), self._agent.get_xfer_descs(remote, job.remote_mem))
+        if prepared is not None:
+            prepared.descs = descs
+        return descs
 
     def _run(self, jobs: list[_Job], timeout: float, started: float, results: dict[str, TransferStats],
              abort_check: Callable[[], None] | None, gone: Callable[[], Collection[str]] | None) -> list[_Job]:
@@ -415,24 +467,17 @@ class NixlTransport:
             failed.append(job)
 
     def _post(self, job: _Job, timeout: float) -> None:
-        """Build both descriptor lists and post ONE request; on failure schedule a retry."""
-        import numpy as np
-
+        """Post ONE request over both descriptor lists (built once per prepared read); on
+        failure schedule a retry."""
         job.attempts += 1
         with self._lock:
             if job.agent_name not in self._remote.loaded:
                 job.last_error = f"remote agent {job.agent_name} is not loaded (it disconnected)"
                 job.permanent = True
                 return
-            arr = np.asarray(job.ops, dtype=np.uint64)
-            local = np.empty_like(arr)
-            remote = np.empty_like(arr)
-            local[:, 0], local[:, 1], local[:, 2] = arr[:, 1], arr[:, 2], job.local_dev
-            remote[:, 0], remote[:, 1], remote[:, 2] = arr[:, 0], arr[:, 2], job.remote_dev
             handle = None
             try:
-                local_descs = self._agent.get_xfer_descs(local, job.local_mem)
-                remote_descs = self._agent.get_xfer_descs(remote, job.remote_mem)
+                local_descs, remote_descs = self._descs(job)
                 handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, job.agent_name)
                 self.transfers += 1
                 self.descriptors_posted += len(job.ops)
@@ -488,7 +533,7 @@ class NixlTransport:
                      job.peer_key, job.attempts, job.last_error, delay)
 
     def _finish(self, job: _Job, started: float) -> TransferStats:
-        nbytes = total_bytes(job.ops)
+        nbytes = job.prepared.nbytes if job.prepared is not None else total_bytes(job.ops)
         with self._lock:
             self.bytes_read += nbytes
         return TransferStats(job.peer_key, job.agent_name, nbytes, len(job.ops), job.requested,
@@ -501,6 +546,7 @@ class NixlTransport:
             if self._closed:
                 return
             self._remote.unload_all()
+            self._prepared.clear()
             try:
                 self._memory.deregister_all()
             finally:

@@ -37,6 +37,7 @@ class Registrations:
         self._registered: dict[RegionKey, Any] = {}
         self._regions: dict[tuple[str, int], RegionIndex] = {}
         self.registrations = 0  # real NIXL register_memory calls
+        self.generation = 0  # bumped whenever the registered regions change (prepared reads check it)
 
     def register_many(self, tensors: Iterable["torch.Tensor"]) -> int:
         """Register the storages of all ``tensors`` that are not yet covered, in one NIXL call per
@@ -73,6 +74,7 @@ class Registrations:
                     f"({sum(n for _, n, _ in kept)} bytes) failed: {type(exc).__name__}: {exc}"
                 ) from exc
             self.registrations += 1
+            self.generation += 1
             for a, n, d in kept:
                 self._registered[(mem, d, a, n)] = regions[(a, n, d)]
                 self._regions.setdefault((mem, d), RegionIndex()).add(a, n)
@@ -109,6 +111,7 @@ class Registrations:
         self._deregister(list(self._registered))
 
     def _deregister(self, keys: list[RegionKey]) -> None:
+        self.generation += 1
         errors = []
         for mem in sorted({k[0] for k in keys}):
             descs = [(a, n, d, "") for m, d, a, n in keys if m == mem]

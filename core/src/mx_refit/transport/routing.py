@@ -92,6 +92,8 @@ class RoutingTransport:
         # source -> (its export, the arena's device, the path chosen): steady cycles choose nothing
         self._choices: dict[str, tuple[Any, Any, PathChoice]] = {}
         self._checked: dict[str, tuple[Sequence[Range], int]] = {}  # source -> (ranges, arena bytes reached)
+        # source -> (ranges, arena address, the NIXL ops of them): one list object per layout
+        self._nixl_ops: dict[str, tuple[Sequence[Range], int, list[Range]]] = {}
         self._peers: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
         self._node = local_node()
         self._closed = False
@@ -376,7 +378,10 @@ class RoutingTransport:
             first = source.tensors[0] if source.tensors else None
             remote_mem[source_id] = first.mem_type.value if first is not None else "DRAM"
             remote_dev[source_id] = first.device_id if first is not None else 0
-            ops[source_id] = [(remote, base + offset, n) for remote, offset, n in ranges]
+            last = self._nixl_ops.get(source_id)
+            if last is None or last[0] is not ranges or last[1] != base:  # the same list every steady cycle
+                last = self._nixl_ops[source_id] = (ranges, base, [(remote, base + offset, n) for remote, offset, n in ranges])
+            ops[source_id] = last[2]
         before = agent.descriptors_posted
         stats = agent.read_many(ops, remote_mem=remote_mem, remote_dev=remote_dev, local_mem=local_mem,
                                 local_dev=local_dev, timeout_s=timeout_s, merge=False, abort_check=abort_check,
@@ -388,6 +393,7 @@ class RoutingTransport:
         with self._lock:
             self._choices.pop(source_id, None)
             self._checked.pop(source_id, None)
+            self._nixl_ops.pop(source_id, None)
             if self._ipc is not None:
                 self._ipc.forget(source_id)
             if self._nixl is not None:
