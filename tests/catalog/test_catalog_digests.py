@@ -215,7 +215,7 @@ def test_second_get_version_of_an_unchanged_republish_sends_no_descriptors(
     publish(client, model, 1)
     first = client.get_version(model)
     assert client.manifest_stats == ManifestStats(
-        replies=1, sources_sent=2, descriptors_sent=2 * TENSORS, sidecars_sent=1
+        replies=1, sources_sent=2, descriptors_sent=2 * TENSORS, sidecars_sent=1, metadata_sent=2
     )
     publish(client, model, 2)
     before = client.manifest_stats
@@ -227,6 +227,8 @@ def test_second_get_version_of_an_unchanged_republish_sends_no_descriptors(
         "descriptors_sent": 0,
         "sidecars_sent": 0,
         "sidecars_omitted": 1,
+        "metadata_sent": 0,
+        "metadata_omitted": 2,
         "refetches": 0,
     }
     assert second.version == 2

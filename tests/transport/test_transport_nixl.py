@@ -278,3 +278,34 @@ def test_deregister_and_close() -> None:
     with pytest.raises(TransferError, match="closed"):
         t.metadata()
     t.close()  # idempotent
+
+
+def test_a_repeated_read_of_the_same_ranges_reuses_its_checked_descriptors(
+    reader: Any, main: Any, expected: dict[str, Any]
+) -> None:
+    """Receivers hand the same ranges list every steady cycle: its checks and NIXL descriptor
+    lists are built once, and rebuilt for another list or when the local registrations change
+    (a deregistered destination is refused again, never written)."""
+    blob = expected["blob"]
+    dest = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert reader.register(dest) is True
+    ops = [(main.addr("blob") + i * 8192, dest.data_ptr() + i * 4096, 4096) for i in range(200)]  # scattered
+    want = torch.cat([blob[i * 8192 : i * 8192 + 4096] for i in range(200)])
+
+    def read(ranges: list[tuple[int, int, int]]) -> int:
+        dest.zero_()
+        built = reader.descs_built
+        stats = reader.read_many({"main": ranges}, merge=False)["main"]
+        assert stats.nbytes == len(ranges) * 4096 and stats.descriptors == len(ranges)
+        assert torch.equal(dest[: 200 * 4096], want)
+        return reader.descs_built - built
+
+    assert read(ops) == 1
+    assert read(ops) == 0  # the same list: nothing checked or built again
+    assert read(list(ops)) == 1  # an equal but new list is checked afresh
+    assert reader.deregister(dest) == 1
+    with pytest.raises(InvalidArgument, match="not inside memory registered"):
+        reader.read_many({"main": ops}, merge=False)
+    assert reader.register(dest) is True
+    assert read(ops) == 1  # registrations changed: checked and built again
+    assert reader.deregister(dest) == 1

@@ -162,6 +162,7 @@ class NixlTransport:
         self.descriptors_posted = 0
         self.transfers = 0  # NIXL requests posted, retries included
         self.retries = 0
+        self.descs_built = 0  # descriptor list pairs built (once per prepared read, not per cycle)
         # peer -> its last checked read; and the ops lists last checked disjoint together
         self._prepared: dict[str, _Prepared] = {}
         self._disjoint: tuple[Sequence[Range], ...] = ()
@@ -404,6 +405,7 @@ class NixlTransport:
         local[:, 0], local[:, 1], local[:, 2] = arr[:, 1], arr[:, 2], job.local_dev
         remote[:, 0], remote[:, 1], remote[:, 2] = arr[:, 0], arr[:, 2], job.remote_dev
         descs = (self._agent.get_xfer_descs(local, job.local_mem), self._agent.get_xfer_descs(remote, job.remote_mem))
+        self.descs_built += 1
         if prepared is not None:
             prepared.descs = descs
         return descs
