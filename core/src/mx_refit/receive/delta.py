@@ -11,9 +11,10 @@ holds the base bytes, in the plan's coordinates). Otherwise the refit is a full 
 **The pull.** WHOLE tensors are read through the plan's own reads, clipped to them (widened to
 whole checksum blocks and verified, as a full pull is); the records region of each source that
 has records is read whole into a staging area after those reads and checked against its
-``record_sums``. Each record is then decoded and written through the plan's reads
-(:func:`mx_refit.delta.records.apply_changes`): exactly where a full pull would put those
-source bytes. Tensors without an entry cost no read; HF tensors none of whose bytes changed are
+``record_sums``. Then all of a source's records are applied at once
+(:func:`mx_refit.delta.batch.apply_batch`, equal to decoding each and writing it through the
+plan's reads with :func:`mx_refit.delta.records.apply_changes`): exactly where a full pull
+would put those source bytes. Tensors without an entry cost no read; HF tensors none of whose bytes changed are
 not handed to the engine again.
 """
 
@@ -172,29 +173,31 @@ def check_records(arena: "torch.Tensor", info: VersionInfo, pull: DeltaPull) -> 
 
 
 def apply(arena: "torch.Tensor", info: VersionInfo, plan_requests: Requests, pull: DeltaPull) -> None:
-    """Decode every needed record and write it through the plan's reads (see the module
-    docstring); fills ``pull.touched`` and ``pull.bytes_changed``."""
-    from mx_refit.delta.records import apply_changes, decode
+    """Write every needed record through the plan's reads, all of a source's records at once
+    (:func:`mx_refit.delta.batch.apply_batch`); fills ``pull.touched`` and ``pull.bytes_changed``."""
+    from mx_refit.delta.batch import Item, apply_batch, direct_address
     from mx_refit.types import DTYPE_SIZES
 
     sources = {s.source_id: s for s in info.sources}
     for source_id, reads in plan_requests.items():
         source = sources[source_id]
         assert source.delta is not None
+        items = []
         for entry in source.delta.tensors:
             lo, hi = _span(source, entry.tensor)
             mine = _clip(reads, lo, hi)
             if not mine:
                 continue
             pull.touched += [(local, n) for _, local, n in mine]
-            desc = source.tensors[entry.tensor]
             if entry.form is DeltaForm.WHOLE:
                 pull.bytes_changed += sum(n for _, _, n in mine)
                 continue
-            base = pull.records[source_id][0] + entry.offset
-            positions, values = decode(entry.form, arena[base : base + entry.nbytes], desc.nbytes,
-                                       DTYPE_SIZES[desc.dtype], entry.changed, entry.narrow)
-            pull.bytes_changed += apply_changes(arena, positions + lo, values, mine)
+            desc = source.tensors[entry.tensor]
+            items.append(Item(entry.form, entry.offset, entry.nbytes, lo, desc.nbytes, DTYPE_SIZES[desc.dtype],
+                              entry.changed, entry.narrow, direct_address(lo, desc.nbytes, mine)))
+        if items:
+            at, nbytes = pull.records[source_id]
+            pull.bytes_changed += apply_batch(arena, arena[at : at + nbytes], items, reads)
 
 
 def _merged(ranges: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
