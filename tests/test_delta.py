@@ -13,6 +13,7 @@ import torch
 from mx_refit.catalog.client import CatalogClient
 from mx_refit.checksums import source_checksums
 from mx_refit.delta import checksums_digest
+from mx_refit.delta.batch import Item, apply_batch, direct_address
 from mx_refit.delta.records import apply_changes, decode, encode
 from mx_refit.errors import InvalidArgument
 from mx_refit.layout.planner import plan_receive
@@ -85,6 +86,59 @@ def test_a_change_on_the_last_partial_block_and_the_first_element():
     rec = encode(old, sign)
     assert rec.form is DeltaForm.SPARSE and rec.narrow == 0 and rec.changed == 4
     _roundtrip(old, sign)
+
+
+def test_the_batched_apply_equals_record_by_record_in_every_form_width_and_read_shape():
+    """Tensors of every width in SPARSE (narrow and wide) and BLOCKS form, some held whole by one
+    read and some in pieces (a window, a tail), applied at once: the bytes of decode+apply_changes."""
+    torch.manual_seed(0)
+    olds, news, los, at = [], [], [], 1000
+    for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn] * 3):
+        old = (torch.randn(301 + 7 * i, 33) * 3).to(dtype)
+        new = _nudge(old, 0.02, i) if i % 3 != 2 else old.clone()
+        if i % 3 == 2:
+            new[50:90] = (old[50:90].float() * -2 + 1).to(dtype)  # only rows rewritten: BLOCKS
+        if i % 4 == 0:
+            new[::7, 0] = -new[::7, 0]  # sign flips: wide entries
+        olds.append(old)
+        news.append(new)
+        los.append(at)
+        at += old.numel() * old.element_size() + 64
+    reads, local = [], 0
+    for i, old in enumerate(olds):
+        nbytes = old.numel() * old.element_size()
+        if i % 4 == 1:  # held in two pieces, a gap between them
+            reads += [(los[i] + nbytes // 3, local, nbytes // 3), (los[i] + nbytes // 3 * 2 + 5, local + nbytes // 3 + 16,
+                                                                   nbytes - nbytes // 3 * 2 - 5)]
+        else:
+            reads.append((los[i], local, nbytes))
+        local += nbytes + 32
+    arena = torch.randint(0, 256, (local,), dtype=torch.uint8)
+    want, got = arena.clone(), arena.clone()
+    items, parts, offset, forms = [], [], 0, set()
+    for i, (old, new) in enumerate(zip(olds, news)):
+        rec = encode(old, new)
+        nbytes = old.numel() * old.element_size()
+        forms.add((rec.form, old.element_size(), rec.narrow < rec.changed))
+        mine = [(max(r, los[i]), n0 + max(r, los[i]) - r, min(r + n, los[i] + nbytes) - max(r, los[i]))
+                for r, n0, n in reads if r < los[i] + nbytes and los[i] < r + n]
+        positions, values = decode(rec.form, rec.data, nbytes, old.element_size(), rec.changed, rec.narrow)
+        apply_changes(want, positions + los[i], values, mine)
+        items.append(Item(rec.form, offset, rec.data.numel(), los[i], nbytes, old.element_size(), rec.changed,
+                          rec.narrow, direct_address(los[i], nbytes, mine)))
+        parts.append(rec.data)
+        offset += rec.data.numel()
+    records = torch.cat(parts)
+    assert apply_batch(got, records, items, reads) > 0
+    assert torch.equal(got, want) and not torch.equal(got, arena)
+    assert {f for f, _, _ in forms} == {DeltaForm.SPARSE, DeltaForm.BLOCKS}
+    assert {(s, w) for f, s, w in forms if f is DeltaForm.SPARSE} >= {(2, True), (4, True), (1, False)}
+    assert sum(it.direct is None for it in items) == 3
+    bad = records.clone()
+    first = next(it for it in items if it.form is DeltaForm.SPARSE)
+    bad[first.offset] += 1  # a chunk count that no longer sums to the list's entries
+    with pytest.raises(InvalidArgument, match="chunk counts"):
+        apply_batch(arena.clone(), bad, items, reads)
 
 
 def _delta_for(source, old_views, new_views, base_version, base_checksums):
@@ -169,7 +223,8 @@ def test_a_delta_through_the_layout_engine_equals_a_full_pull(spec, tp, target):
         return arena
 
     held = pull(published.memory)  # the receiver holds version 1
-    new_memory, untouched, read_tensors = {}, 0, 0
+    batched = held.clone()  # the same, through the batched apply (all of a source's records at once)
+    new_memory, untouched, read_tensors, pieces = {}, 0, 0, 0
     for source in version.sources:
         base, blob = published.memory[source.source_id]
         new_blob = blob.clone()
@@ -184,6 +239,7 @@ def test_a_delta_through_the_layout_engine_equals_a_full_pull(spec, tp, target):
         old_views = [blob[d.addr - base : d.addr - base + d.nbytes].view(getattr(torch, d.dtype)) for d in source.tensors]
         new_views = [new_blob[d.addr - base : d.addr - base + d.nbytes].view(getattr(torch, d.dtype)) for d in source.tensors]
         entries, records = _delta_for(source, old_views, new_views, 1, None)
+        items = []
         for entry in entries:  # the receiver's side: what its reads hold of each changed tensor
             d = source.tensors[entry.tensor]
             mine = [r for r in requests.get(source.source_id, ()) if r[0] < d.addr + d.nbytes and d.addr < r[0] + r[2]]
@@ -191,14 +247,25 @@ def test_a_delta_through_the_layout_engine_equals_a_full_pull(spec, tp, target):
                 for remote, local, n in mine:
                     lo, hi = max(remote, d.addr), min(remote + n, d.addr + d.nbytes)
                     held[local + lo - remote : local + hi - remote] = new_blob[lo - base : hi - base]
+                    batched[local + lo - remote : local + hi - remote] = new_blob[lo - base : hi - base]
                     read_tensors += 1
                 continue
             data = records[entry.offset : entry.offset + entry.nbytes]
-            positions, values = decode(entry.form, data, d.nbytes, new_views[entry.tensor].element_size(),
-                                       entry.changed, entry.narrow)
+            itemsize = new_views[entry.tensor].element_size()
+            positions, values = decode(entry.form, data, d.nbytes, itemsize, entry.changed, entry.narrow)
             apply_changes(held, positions + d.addr, values, mine)
+            clipped = [(max(r, d.addr), n0 + max(r, d.addr) - r, min(r + n, d.addr + d.nbytes) - max(r, d.addr))
+                       for r, n0, n in mine]
+            direct = direct_address(d.addr, d.nbytes, clipped)
+            pieces += direct is None
+            items.append(Item(entry.form, entry.offset, entry.nbytes, d.addr, d.nbytes, itemsize, entry.changed,
+                              entry.narrow, direct))
+        if items:
+            apply_batch(batched, records, items, sorted(requests[source.source_id]))
         assert len(entries) < len(source.tensors) or not untouched
     assert torch.equal(held, pull(new_memory))  # bit for bit what a full pull of version 2 holds
+    assert torch.equal(batched, held)  # the batched apply writes exactly what record-by-record does
+    assert pieces > 0 or target.full_tensors  # resharded targets hold tensors in pieces: the reads' path ran
     assert read_tensors > 0
     if spec.experts:
         assert untouched > 0

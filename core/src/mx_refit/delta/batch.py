@@ -67,12 +67,12 @@ def direct_address(lo: int, size: int, mine: list[Read]) -> int | None:
 
 
 def _spans(data: "torch.Tensor", starts: list[int], lengths: list[int]) -> "torch.Tensor":
-    """``data[starts[i] : starts[i] + lengths[i]]`` for each i in turn, as one tensor (one
-    copy of the bytes: no index tensor eight times their size)."""
+    """``data[starts[i] : starts[i] + lengths[i]]`` for each i in turn, as one new tensor (one
+    copy of the bytes, never a view of ``data``: the arena they are written into holds it)."""
     import torch
 
     if len(starts) == 1:
-        return data[starts[0] : starts[0] + lengths[0]]
+        return data[starts[0] : starts[0] + lengths[0]].clone()
     return torch.cat([data[a : a + n] for a, n in zip(starts, lengths)])
 
 
