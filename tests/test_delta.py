@@ -307,8 +307,8 @@ def test_delta_refits_equal_full_pulls_and_anchor_every_n(mx_catalog, mx_model_n
         "e0": torch.randn(512, 128).to(torch.bfloat16), "e1": torch.randn(512, 128).to(torch.bfloat16),
     }
     with Publisher(mx_catalog, mx_model_name, delta="auto", delta_anchor_every=4, checksum_block_bytes=BLOCK) as pub, \
-            Receiver(mx_catalog, mx_model_name, delta="auto", engine=(engine := _Engine())) as rec, \
-            Receiver(mx_catalog, mx_model_name, delta="auto", delta_check_arena=False) as trusting, \
+            Receiver(mx_catalog, mx_model_name, delta="on", engine=(engine := _Engine())) as rec, \
+            Receiver(mx_catalog, mx_model_name, delta="on", delta_check_arena=False) as trusting, \
             Receiver(mx_catalog, mx_model_name, checksums=True) as full:
         pub.publish(1, model=weights)
         trusting.refit(1)
@@ -342,7 +342,7 @@ def test_a_disturbed_arena_or_corrupt_records_fall_back_to_a_full_pull(mx_catalo
     weights = {"w": torch.randn(4096, 64).to(torch.bfloat16), "b": torch.randn(64).to(torch.bfloat16),
                "e0": torch.randn(64, 64).to(torch.bfloat16)}
     with Publisher(mx_catalog, mx_model_name, delta="auto", checksum_block_bytes=BLOCK) as pub, \
-            Receiver(mx_catalog, mx_model_name, delta="auto") as rec:
+            Receiver(mx_catalog, mx_model_name, delta="on") as rec:
         pub.publish(1, model=weights)
         rec.refit(1)
         pub.wait_drained(1)
@@ -406,7 +406,7 @@ def test_across_processes_a_resharding_delta_receiver_equals_a_full_one(mx_catal
         _ask(conn, None, "ready")
         delta_engine: dict[str, torch.Tensor] = {}
         full_engine: dict[str, torch.Tensor] = {}
-        with Receiver(mx_catalog, mx_model_name, target=target, engine=delta_engine, delta="auto") as rec, \
+        with Receiver(mx_catalog, mx_model_name, target=target, engine=delta_engine, delta="on") as rec, \
                 Receiver(mx_catalog, mx_model_name, target=target, engine=full_engine, checksums=True) as full:
             kinds = []
             for version in range(1, 5):
@@ -425,3 +425,54 @@ def test_across_processes_a_resharding_delta_receiver_equals_a_full_one(mx_catal
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.fixture
+def _one_thread():
+    """torch on one thread: this test weighs times, and two OpenMP threads on a host whose cores
+    other work shares stall each other (small copies run 100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_auto_pulls_the_delta_only_where_it_is_estimated_faster(mx_catalog, mx_model_name, _one_thread):
+    """``delta: auto`` over real NIXL: a warm full pull is measured first, then a delta is tried
+    (it measures a record byte's cost), then each version goes the way the estimates from the
+    latest refits say: a change touching 8% of the elements (records of ~8% of the model, each
+    entry to apply) is pulled whole, "a full pull is faster", and sparse ones are deltas. Every
+    refit equals the published bytes."""
+    weights = {f"w{i}": torch.randn(2048, 2048).to(torch.bfloat16) for i in range(8)}  # 64 MiB
+
+    def sparse(version: int) -> None:
+        for i, w in enumerate(weights.values()):
+            w.view(-1)[version * 131 + i :: 20011] += 1  # ~0.005% of the elements
+
+    def wide(version: int) -> None:
+        for w in weights.values():
+            w.copy_(_nudge(w, 0.08, seed=version))
+
+    steps = [None, sparse, sparse, sparse, wide, wide, sparse, sparse]
+    with Publisher(mx_catalog, mx_model_name, delta="auto", delta_anchor_every=100) as pub, \
+            Receiver(mx_catalog, mx_model_name, delta="auto", delta_check_arena=False) as rec:
+        stats = []
+        for version, step in enumerate(steps, start=1):
+            if step is not None:
+                step(version)
+            pub.publish(version, model=weights)
+            got = rec.refit(version)
+            _same(got, weights)
+            stats.append(got.stats)
+            pub.wait_drained(version)
+    kinds = [s.kind for s in stats]
+    summary = [(s.kind, s.full_estimate_s, s.delta_estimate_s, s.delta_refused[:40]) for s in stats]
+    assert kinds[:3] == ["full", "full", "delta"], summary  # no base; a warm full measured; a delta tried
+    assert stats[1].delta_refused.startswith("measuring a warm full pull first"), summary
+    estimated = [s for s in stats if s.full_estimate_s]
+    assert len(estimated) >= 3, summary
+    for s in estimated:  # the cheaper estimate wins
+        assert (s.kind == "delta") == (s.delta_estimate_s < s.full_estimate_s), summary
+    faster = [s for s in stats[4:6] if s.kind == "full"]
+    assert faster and faster[0].delta_refused.startswith("a full pull is faster on this transport"), summary
+    assert kinds[6:] == ["delta", "delta"], summary

@@ -150,7 +150,7 @@ class WeightSyncConfig:
     checksums: bool = False  # end-to-end per-block checksums (see README, "End-to-end checksums")
     checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES  # block size of those checksums (publishers)
     publish_format: str = "bf16"  # bf16 | fp8_block: quantise linear weights on publish (README, "FP8 on publish")
-    delta: str = "off"  # off | auto: move only the bytes changed since the receiver's version (README, "Delta refits")
+    delta: str = "off"  # off | auto | on: move only the bytes changed since the receiver's version (README, "Delta refits")
     delta_anchor_every: int = 10  # publishers: every N-th version is published whole (an anchor)
     receive_mode: str = STAGED  # staged (whole-version arena) | direct (bounded buffer); README "Receive memory"
     receive_buffer_bytes: int = DEFAULT_RECEIVE_BUFFER_BYTES  # direct: receive memory outside the parameters
@@ -193,7 +193,7 @@ def validate(cfg: WeightSyncConfig) -> WeightSyncConfig:
     check_mode(cfg.fanout, "weight_sync.fanout", FANOUT_MODES)
     check_receive_mode(cfg.receive_mode, "weight_sync.receive_mode")
     check_receive_buffer_bytes(cfg.receive_buffer_bytes, "weight_sync.receive_buffer_bytes", setting=True)
-    check_mode(cfg.delta, "weight_sync.delta", ("off", "auto"))
+    check_mode(cfg.delta, "weight_sync.delta", ("off", "auto", "on"))
     check_count(cfg.delta_anchor_every, "weight_sync.delta_anchor_every", minimum=1, setting=True)
     check_count(cfg.max_readers_per_source, "weight_sync.max_readers_per_source", minimum=0, setting=True)
     roles = {r.value for r in Role}

@@ -161,8 +161,8 @@ class Publisher:
         self.publish_format = check_mode(publish_format, "publish_format", PUBLISH_FORMATS)
         self._fp8: Any = None  # mx_refit.fp8.Fp8Publishing once publish_format is fp8_block
         self.checksums = check_flag(checksums, "checksums")
-        self._delta: Any = None  # mx_refit.delta.tracker.DeltaTracker with delta "auto"
-        if check_mode(delta, "delta", ("off", "auto")) == "auto":
+        self._delta: Any = None  # mx_refit.delta.tracker.DeltaTracker unless delta is "off"
+        if check_mode(delta, "delta", ("off", "auto", "on")) != "off":
             from mx_refit.delta.tracker import DeltaTracker
 
             self._delta = DeltaTracker(delta_anchor_every)

@@ -525,6 +525,9 @@ class RefitStats:
     kind: str = "full"  # "delta": only the changes since the version held were pulled (weight_sync.delta)
     bytes_changed: int = 0  # delta refits: bytes of this receiver's arena the delta changed
     delta_refused: str = ""  # weight_sync.delta auto and a full refit: why not a delta
+    # weight_sync.delta auto: the estimates the choice was made from (0 before one was possible)
+    full_estimate_s: float = 0.0
+    delta_estimate_s: float = 0.0
     # Wall seconds per step of the cycle (discover, plan, lease, heartbeat_start, pull, release,
     # materialize, load): where a whole refit spends what its pull does not. "lease" is ~0 when
     # the catalog found and leased the version in one call (counted in "discover").

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mx_refit.checks import DIRECT, batches
 from mx_refit.errors import ChecksumMismatch, TransferError
-from mx_refit.receive.delta import DeltaPull, DeltaState, apply, changed_only, check_records, plan_delta
+from mx_refit.receive.delta import DeltaCosts, DeltaPull, DeltaState, apply, changed_only, check_records, plan_delta
 from mx_refit.receive.failover import merged_pulls
 from mx_refit.receive.lease_order import lease_order
 from mx_refit.receive.plans import PlanCache, region_edges
@@ -103,7 +103,9 @@ class RefitCycle:
         self.arena: "torch.Tensor | None" = None  # registered once, reused every cycle
         self._plans = PlanCache()
         self._delta = DeltaState(options.delta_check_arena)
-        self.delta_refused = ""  # why the last refit was not a delta refit (delta "auto")
+        self._costs = DeltaCosts()
+        self.delta_refused = ""  # why the last refit was not a delta refit (delta "auto" or "on")
+        self._estimate: tuple[float, float] | None = None  # (full, delta) seconds of the last choice
         self._copy_sums: "CopySums | None" = None  # the fused copy's hook, per widening
         self._armed: Any = None  # the CUDA IPC transport holding it during a pull
         self.buffer: "torch.Tensor | None" = None  # receive_mode direct: the bounce buffer, reused
@@ -137,9 +139,9 @@ class RefitCycle:
                 stats = direct.finish(watch, notify, registrations_before)
                 return RefitResult(version=leased.info, plan=plan, tensors=[], stats=stats)
             with watch("heartbeat_start"):  # the renewals run already: the arena's allocation
-                delta = self._delta_plan(info, plan)
                 full_bytes = widening.arena_bytes if widening else plan.arena_bytes
-                arena = self._arena_for(max(full_bytes, delta.arena_bytes if delta else 0))
+                delta = self._delta_plan(info, plan, sum(n for reads in requests.values() for _, _, n in reads))
+                arena = self._arena_for(max(full_bytes, delta.room if delta else 0))  # grown once for any delta
             self._delta.held = None  # the arena changes from here on
             pulled_by, blocks, delta = self._transfer(watch, leased, arena, widening, delta)
         except BaseException:
@@ -156,12 +158,18 @@ class RefitCycle:
             with watch("load"):
                 requests = self._plans.plan(leased.info, self.target, self.hooks)[1]
                 self.load(changed_only(tensors, arena, delta.touched, requests) if delta else tensors)
-                if self.options.delta == "auto":  # verified bytes: the base of the next delta
-                    self._delta.remember(leased.info, self._plans.key, arena, plan.arena_bytes)
+                if self.options.delta != "off":  # verified bytes: the base of the next delta
+                    self._delta.remember(leased.info, self._plans.key, arena, plan.arena_bytes,
+                                         proof=not self._costs.last_full_faster)
         else:  # staged: the engine may never get these bytes, so they are no delta base
-            self._delta = DeltaState()
+            self._delta = DeltaState(self.options.delta_check_arena)
         stats = self._stats(leased, plan, tensors, pulled_by, blocks, confirmed_by, watch.seconds,
                             self.transport.registrations - registrations_before)
+        if self.options.delta != "off":
+            self._costs.learn(watch.seconds["pull"] + watch.seconds["verify"], stats.bytes_pulled, delta,
+                              warm=not stats.new_registrations and not stats.handles_opened)
+            full_s, delta_s = self._estimate or (0.0, 0.0)
+            stats = dataclasses.replace(stats, full_estimate_s=full_s, delta_estimate_s=delta_s)
         if delta is not None:
             stats = dataclasses.replace(stats, kind="delta", bytes_changed=delta.bytes_changed)
         elif self.delta_refused:
@@ -254,21 +262,32 @@ class RefitCycle:
 
         return verify(arena, widening, {s.source_id: s for s in leased.info.sources}, fused)
 
-    def _delta_plan(self, info: VersionInfo, plan: "ReceivePlan") -> DeltaPull | None:
-        """The delta refit's reads when the arena provably holds the delta's base, else None
-        (``delta_refused`` says why; :mod:`mx_refit.receive.delta`)."""
-        self.delta_refused = ""
-        if self.options.delta != "auto":
+    def _delta_plan(self, info: VersionInfo, plan: "ReceivePlan", full_bytes: int) -> DeltaPull | None:
+        """The delta refit's reads when the arena provably holds the delta's base and the delta
+        is estimated faster than pulling ``full_bytes`` (:class:`~mx_refit.receive.delta.DeltaCosts`),
+        else None (``delta_refused`` says why; :mod:`mx_refit.receive.delta`)."""
+        self.delta_refused, self._estimate = "", None
+        self._costs.last_full_faster = False
+        if self.options.delta == "off":
             return None
         requests = self._plans.plan(info, self.target, self.hooks)[1]
+        pull = None
         if self.options.names_sources:
             self.delta_refused = "fan-out and reader caps pull whole versions"
         else:
-            self.delta_refused = self._delta.refusal(info, self._plans.key, requests, self.arena, plan.arena_bytes)
+            self.delta_refused = self._delta.refusal(info, self._plans.key, requests, self.arena)
+        if not self.delta_refused:
+            pull = plan_delta(info, requests, plan.arena_bytes)
+            check_s = self._delta.check_s if self.options.delta_check_arena else 0.0
+            if self.options.delta == "auto":
+                self.delta_refused, self._estimate = self._costs.choose(full_bytes, pull, check_s)
+                self._costs.last_full_faster = self._estimate is not None and bool(self.delta_refused)
+        if not self.delta_refused and self.arena is not None:
+            self.delta_refused = self._delta.arena_changed(self.arena, plan.arena_bytes)
         if self.delta_refused:
             log.info("refit %s v%d: full pull: %s", self.options.model, info.version, self.delta_refused)
             return None
-        return plan_delta(info, requests, plan.arena_bytes)
+        return pull
 
     def _transfer(
         self, watch: Stopwatch, leased: "Leased", arena: "torch.Tensor", widening: "Verification | None",

@@ -21,6 +21,7 @@ not handed to the engine again.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mx_refit.checksums import Verification
 
-__all__ = ["DeltaPull", "DeltaState", "Held"]
+__all__ = ["DeltaCosts", "DeltaPull", "DeltaState", "Held"]
 
 Requests = dict[str, list[tuple[int, int, int]]]
 FINGERPRINT_BLOCK = 1 << 20
@@ -52,7 +53,7 @@ class Held:
     version: int
     key: object
     digests: dict[str, str]
-    fingerprint: list[int]
+    fingerprint: list[int] | None  # None: not taken (DeltaState.remember's proof=False)
 
 
 @dataclass
@@ -64,8 +65,17 @@ class DeltaPull:
     requests: Requests
     records: dict[str, tuple[int, int]]
     arena_bytes: int
+    room: int = 0  # arena bytes that hold any delta of these sources (their record buffers' whole size)
     touched: list[tuple[int, int]] = field(default_factory=list)  # arena (offset, nbytes) changed
     bytes_changed: int = 0
+
+    @property
+    def record_bytes(self) -> int:
+        return sum(n for _, n in self.records.values())
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(n for reads in self.requests.values() for _, _, n in reads)
 
 
 class DeltaState:
@@ -76,16 +86,31 @@ class DeltaState:
         # False: the arena is trusted to hold what was verified into it (no fingerprint passes;
         # the base is still proved by its checksums' digest and the layout)
         self.check_arena = check_arena
+        self.check_s = 0.0  # seconds of the last fingerprint pass over the arena
 
-    def remember(self, info: VersionInfo, key: object, arena: "torch.Tensor", nbytes: int) -> None:
-        """After a refit whose bytes were verified: the arena holds ``info``'s bytes."""
+    def _fingerprint(self, arena: "torch.Tensor", nbytes: int) -> list[int]:
+        start = time.perf_counter()
+        sums = fingerprint(arena, nbytes)
+        if arena.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(arena.device)
+        self.check_s = time.perf_counter() - start
+        return sums
+
+    def remember(self, info: VersionInfo, key: object, arena: "torch.Tensor", nbytes: int, proof: bool = True) -> None:
+        """After a refit whose bytes were verified: the arena holds ``info``'s bytes.
+        ``proof=False``: no fingerprint is taken (a receiver whose full pulls are faster than its
+        deltas skips the pass); the next delta is then refused once, and this one's bytes
+        fingerprinted for the one after."""
         digests = {s.source_id: checksums_digest(s.checksums) for s in info.sources}
         if all(digests.values()):
-            self.held = Held(info.version, key, digests, fingerprint(arena, nbytes) if self.check_arena else [])
+            sums = self._fingerprint(arena, nbytes) if self.check_arena and proof else None
+            self.held = Held(info.version, key, digests, sums if self.check_arena else [])
 
-    def refusal(self, info: VersionInfo, key: object, plan_requests: Requests, arena: "torch.Tensor | None",
-                nbytes: int) -> str:
-        """Why ``info`` cannot be applied as a delta onto what the arena holds ("" if it can)."""
+    def refusal(self, info: VersionInfo, key: object, plan_requests: Requests, arena: "torch.Tensor | None") -> str:
+        """Why ``info`` cannot be applied as a delta onto what the arena holds ("" if it can),
+        but for the arena's fingerprint (:meth:`arena_changed`, a pass over the arena)."""
         held = self.held
         if held is None or arena is None:
             return "no verified version held"
@@ -100,9 +125,61 @@ class DeltaState:
                 return f"source {source_id!r}'s delta is against v{delta.base_version}, the arena holds v{held.version}"
             if delta.base_digest != held.digests.get(source_id):
                 return f"source {source_id!r}'s base checksums differ from the ones v{held.version} was verified with"
-        if self.check_arena and fingerprint(arena, nbytes) != held.fingerprint:
+        return ""
+
+    def arena_changed(self, arena: "torch.Tensor", nbytes: int) -> str:
+        """Why the arena cannot be proved to hold the base ("" if it can)."""
+        assert self.held is not None
+        if not self.check_arena:
+            return ""
+        if self.held.fingerprint is None:
+            return "the arena was not fingerprinted (the last refit chose a full pull as faster)"
+        if self._fingerprint(arena, nbytes) != self.held.fingerprint:
             return "the arena changed since it was verified"
         return ""
+
+
+class DeltaCosts:
+    """What earlier refits of this receiver measured, to pull a delta only where it wins
+    (``delta: auto``). Warm full pulls (no memory registered, no handle opened) measure the
+    transport's rate: bytes per second of pull and verify (on a colocated GPU, CUDA IPC at
+    memory speed). Warm delta refits measure the seconds per record byte beyond that rate for
+    their WHOLE tensors' reads: the records' wire time, their check and the apply. A version's
+    delta is estimated as its WHOLE bytes at the full rate, its record bytes at that cost, plus
+    one fingerprint pass when the arena is checked; its full pull as its bytes at the full rate.
+    The latest measurement of each counts (the change pattern of a training run drifts slowly;
+    every anchor is a full pull and refreshes the rate). Before a warm full pull was measured
+    the version is pulled whole to measure one; before a delta was, the delta is tried."""
+
+    def __init__(self) -> None:
+        self.full_bps = 0.0
+        self.record_s_per_byte = 0.0
+        self.last_full_faster = False  # the last decision: a full pull, estimated faster
+
+    def choose(self, full_bytes: int, pull: DeltaPull, check_s: float) -> tuple[str, tuple[float, float] | None]:
+        """(why a full pull, "" for the delta; (full seconds, delta seconds) when estimated)."""
+        if not self.full_bps:
+            return "measuring a warm full pull first, to weigh deltas against", None
+        if not self.record_s_per_byte:
+            return "", None
+        rate = self.full_bps
+        full = full_bytes / rate
+        delta = (pull.wire_bytes - pull.record_bytes) / rate + pull.record_bytes * self.record_s_per_byte + check_s
+        if delta < full:
+            return "", (full, delta)
+        return (f"a full pull is faster on this transport: ~{full * 1e3:.2f} ms against ~{delta * 1e3:.2f} ms "
+                f"for the delta ({pull.record_bytes} record bytes)"), (full, delta)
+
+    def learn(self, seconds: float, bytes_pulled: int, pull: DeltaPull | None, warm: bool) -> None:
+        """One refit's pull and verify ``seconds`` for ``bytes_pulled`` (``pull``: a delta's);
+        ``warm``: it registered no memory and opened no handle (a cold one is not typical)."""
+        if seconds <= 0 or bytes_pulled <= 0 or not warm:
+            return
+        if pull is None:
+            self.full_bps = bytes_pulled / seconds
+        elif pull.record_bytes and self.full_bps:
+            beyond = seconds - (bytes_pulled - pull.record_bytes) / self.full_bps
+            self.record_s_per_byte = max(beyond, seconds * 0.1) / pull.record_bytes  # noise never makes it free
 
 
 def plan_delta(info: VersionInfo, plan_requests: Requests, plan_arena_bytes: int) -> DeltaPull:
@@ -126,14 +203,15 @@ def plan_delta(info: VersionInfo, plan_requests: Requests, plan_arena_bytes: int
     widening = widen(whole, sources, plan_arena_bytes)
     requests: Requests = {sid: list(ops) for sid, ops in widening.requests.items()}
     records: dict[str, tuple[int, int]] = {}
-    at = widening.arena_bytes
+    at, room = widening.arena_bytes, widening.arena_bytes
     for source_id in record_sources:
         delta = sources[source_id].delta
         assert delta is not None
         requests.setdefault(source_id, []).append((delta.addr, at, delta.nbytes))
         records[source_id] = (at, delta.nbytes)
         at += delta.nbytes
-    return DeltaPull(widening, requests, records, at)
+        room += max([n for a, n in sources[source_id].regions if a <= delta.addr < a + n] or [delta.nbytes])
+    return DeltaPull(widening, requests, records, at, max(at, room))
 
 
 def _span(source: SourceInfo, index: int) -> tuple[int, int]:

@@ -55,13 +55,13 @@ class ReceiveOptions:
         check_flag(self.checksums, "checksums")
         check_mode(self.fanout, "fanout", FANOUT_MODES)
         check_count(self.max_readers_per_source, "max_readers_per_source")
-        check_mode(self.delta, "delta", ("off", "auto"))
+        check_mode(self.delta, "delta", ("off", "auto", "on"))
         check_flag(self.delta_check_arena, "delta_check_arena")
         check_receive_mode(self.receive_mode, "receive_mode")
         check_receive_buffer_bytes(self.receive_buffer_bytes, "receive_buffer_bytes")
         if self.receive_mode == DIRECT:
             self._check_direct()
-        if self.delta == "auto":
+        if self.delta != "off":
             self.checksums = True  # a delta is applied only onto verified bytes, and verified
 
     def _check_direct(self) -> None:
