@@ -46,14 +46,26 @@ def _sparse_list(mask: "torch.Tensor", values: "torch.Tensor", chunks: int) -> "
     return [counts.to(torch.uint8), (index % CHUNK).to(torch.uint8), values[index].reshape(-1)]
 
 
-def _changed_blocks(diff_bytes: "torch.Tensor") -> "torch.Tensor":
-    """Per 256-byte block: whether any byte in it changed."""
+def _changed_blocks(changed_el: "torch.Tensor", itemsize: int) -> "torch.Tensor":
+    """Per 256-byte block: whether any element in it changed (an element never straddles a
+    block: sizes are powers of two up to 8)."""
     import torch
 
-    blocks = -(-diff_bytes.numel() // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=torch.bool, device=diff_bytes.device)
-    padded[: diff_bytes.numel()] = diff_bytes
-    return padded.view(blocks, BLOCK).any(1)
+    per_block = BLOCK // itemsize
+    blocks = -(-changed_el.numel() // per_block)
+    if changed_el.numel() % per_block == 0:
+        return changed_el.view(blocks, per_block).any(1)
+    padded = torch.zeros(blocks * per_block, dtype=torch.bool, device=changed_el.device)
+    padded[: changed_el.numel()] = changed_el
+    return padded.view(blocks, per_block).any(1)
+
+
+def _words(t: "torch.Tensor") -> "torch.Tensor":
+    """The tensor's elements as signed integers of their own width (flat)."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    return flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
 
 
 def _blocks_record(new_bytes: "torch.Tensor", flags: "torch.Tensor") -> "torch.Tensor":
@@ -81,13 +93,15 @@ def encode(old: "torch.Tensor", new: "torch.Tensor") -> Record | None:
 
     if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
         raise InvalidArgument(f"delta: old {tuple(old.shape)} {old.dtype} and new {tuple(new.shape)} {new.dtype} differ")
-    a, b = _element_bytes(old), _element_bytes(new)
+    b = _element_bytes(new)
     numel, itemsize = b.shape
-    diff = a != b
-    changed_el = diff.any(1)
-    narrow_el = changed_el & ~diff[:, 1:].any(1) if itemsize > 1 else changed_el
-    flags = _changed_blocks(diff.reshape(-1))
-    sizes = torch.stack([changed_el.sum(), narrow_el.sum(), flags.sum()]).tolist()  # one sync
+    x = _words(old) ^ _words(new)  # whole elements at a time: a pass per step, not per byte
+    changed_el = x != 0
+    # narrow: only the first (low, little-endian) byte differs
+    narrow_el = changed_el & (x & -256 == 0) if itemsize > 1 else changed_el
+    del x
+    flags = _changed_blocks(changed_el, itemsize)
+    sizes = torch.stack([torch.count_nonzero(m) for m in (changed_el, narrow_el, flags)]).tolist()  # one sync
     changed, narrow, blocks = (int(v) for v in sizes)
     if changed == 0:
         return None

@@ -279,9 +279,10 @@ class RefitCycle:
         if not self.delta_refused:
             pull = plan_delta(info, requests, plan.arena_bytes)
             check_s = self._delta.check_s if self.options.delta_check_arena else 0.0
+            refused, self._estimate = self._costs.choose(full_bytes, pull, check_s)  # "on": reported only
             if self.options.delta == "auto":
-                self.delta_refused, self._estimate = self._costs.choose(full_bytes, pull, check_s)
-                self._costs.last_full_faster = self._estimate is not None and bool(self.delta_refused)
+                self.delta_refused = refused
+                self._costs.last_full_faster = self._estimate is not None and bool(refused)
         if not self.delta_refused and self.arena is not None:
             self.delta_refused = self._delta.arena_changed(self.arena, plan.arena_bytes)
         if self.delta_refused:
