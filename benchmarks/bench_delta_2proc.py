@@ -42,6 +42,15 @@ def fractions(lr: str) -> list[float]:
     return [s["changed_fraction"] for s in data["runs"][lr]["steps"] if s["step"] >= 13]
 
 
+def digests(tensors) -> dict[str, str]:
+    """SHA-256 of each tensor's bytes (on the host)."""
+    import hashlib
+
+    import torch
+
+    return {name: hashlib.sha256(t.detach().reshape(-1).view(torch.uint8).cpu().numpy()).hexdigest() for name, t in tensors}
+
+
 def trainer(address: str, model: str, args: dict, conn) -> None:
     """The publishing process: builds the model, then per ("step", version, fraction) changes it
     and publishes; replies ("published", seconds, changed elements)."""
@@ -80,8 +89,9 @@ def trainer(address: str, model: str, args: dict, conn) -> None:
                     torch.cuda.synchronize()
                 start = time.perf_counter()
                 pub.publish(version, model=weights)
-                conn.send(("published", time.perf_counter() - start, changed, pub._delta.snapshot_bytes,
-                           pub._delta.records.numel()))
+                seconds = time.perf_counter() - start
+                conn.send(("published", seconds, changed, pub._delta.snapshot_bytes, pub._delta.records.numel(),
+                           digests(weights.items())))
     except BaseException as exc:  # the parent reads it and fails loudly
         conn.send(("error", repr(exc)))
         raise
@@ -111,59 +121,80 @@ def main() -> int:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=trainer, args=(server.address, model, vars(args), child), daemon=True)
     proc.start()
-    rows = []
+    rows: list[dict] = []
+
+    def step(version: int, fraction: float) -> tuple[dict, dict]:
+        conn.send(("step", version, fraction))
+        reply = conn.recv()
+        if reply[0] != "published":
+            raise RuntimeError(f"trainer: {reply}")
+        _, publish_s, changed, snapshot, record_buffer, want = reply
+        return {"version": version, "fraction": fraction, "changed_elements": changed, "publish_s": publish_s,
+                "tracker_snapshot_bytes": snapshot, "tracker_record_buffer_bytes": record_buffer}, want
+
+    def refit(rec, label: str, version: int, row: dict, want: dict) -> None:
+        start = time.perf_counter()
+        result = rec.refit(version)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        s = result.stats
+        got = digests(result.tensors)
+        row[label] = {"seconds": seconds, "bytes_pulled": s.bytes_pulled, "kind": s.kind, "phases": s.phase_seconds,
+                      "delta_refused": s.delta_refused, "full_estimate_s": s.full_estimate_s,
+                      "delta_estimate_s": s.delta_estimate_s,
+                      "mismatches": sum(got.get(n) != h for n, h in want.items()) + len(set(got) ^ set(want))}
+        print(f"v{version} {label}: {s.kind}, changed {row['fraction']:.3%}, wire {s.bytes_pulled / nbytes:.3%}, "
+              f"refit {seconds:.3f}s (pull {s.phase_seconds['pull']:.3f}, verify+apply {s.phase_seconds['verify']:.3f}, "
+              f"arena proof {s.phase_seconds['heartbeat_start']:.3f}, load {s.phase_seconds['load']:.3f}); estimates "
+              f"full {s.full_estimate_s:.3f}s delta {s.delta_estimate_s:.3f}s; publish {row['publish_s']:.2f}s; "
+              f"mismatches {row[label]['mismatches']}", flush=True)
+
     try:
         kind, nbytes = conn.recv()
         assert kind == "ready", nbytes
         print(f"model {nbytes / 1e9:.2f} GB in {nbytes // (ROWS * COLS * 2)} tensors", flush=True)
+        version = 1
+        # phase 1: the delta receiver (v1 full, v1 again: a warm full pull, the rate its estimates
+        # need; then every version as a delta)
         with Receiver(server.address, model, delta="on", delta_check_arena=bool(args.check_arena),
-                      device=args.device) as delta, Receiver(server.address, model, device=args.device) as full:
-            for step in range(args.steps + 1):
-                fraction = steps[(step - 1) % len(steps)] if step else 0.0
-                conn.send(("step", step + 1, fraction))
-                reply = conn.recv()
-                if reply[0] != "published":
-                    raise RuntimeError(f"trainer: {reply}")
-                _, publish_s, changed, snapshot, record_buffer = reply
-                row = {"version": step + 1, "fraction": fraction, "changed_elements": changed, "publish_s": publish_s,
-                       "tracker_snapshot_bytes": snapshot, "tracker_record_buffer_bytes": record_buffer}
-                results = {}
-                for label, rec in (("delta", delta), ("full", full)):
-                    start = time.perf_counter()
-                    result = rec.refit(step + 1)
-                    if args.device.startswith("cuda"):
-                        torch.cuda.synchronize()
-                    results[label] = result
-                    row[label] = {"seconds": time.perf_counter() - start, "bytes_pulled": result.stats.bytes_pulled,
-                                  "kind": result.stats.kind, "phases": result.stats.phase_seconds,
-                                  "delta_refused": result.stats.delta_refused,
-                                  "full_estimate_s": result.stats.full_estimate_s,
-                                  "delta_estimate_s": result.stats.delta_estimate_s}
-                got, want = dict(results["delta"].tensors), dict(results["full"].tensors)
-                row["mismatches"] = sum(not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want)
+                      device=args.device) as rec:
+            row, want = step(version, 0.0)
+            refit(rec, "delta", version, row, want)
+            refit(rec, "delta_warm_full", version, row, want)
+            rows.append(row)
+            for i in range(args.steps):
+                version += 1
+                row, want = step(version, steps[i % len(steps)])
+                refit(rec, "delta", version, row, want)
                 rows.append(row)
-                d, f = row["delta"], row["full"]
-                print(f"v{step + 1}: changed {fraction:.3%}, {d['kind']}: wire {d['bytes_pulled'] / f['bytes_pulled']:.3%}, "
-                      f"refit {d['seconds']:.3f}s vs full {f['seconds']:.3f}s ({d['seconds'] / f['seconds']:.1%}); "
-                      f"estimates full {d['full_estimate_s']:.3f}s delta {d['delta_estimate_s']:.3f}s; "
-                      f"publish {publish_s:.2f}s; mismatches {row['mismatches']}", flush=True)
-        conn.send(("stop", args.steps + 2, 0.0))
+        # phase 2: the baseline, a plain full receiver, on versions changed the same way (at 5 GB
+        # the machine does not hold both receivers' arenas beside the trainer's two copies)
+        with Receiver(server.address, model, device=args.device) as rec:
+            for i in range(args.steps + 1):
+                version += 1
+                row, want = step(version, steps[i % len(steps)])
+                refit(rec, "full", version, row, want)
+                rows.append(row)
+        conn.send(("stop", version + 1, 0.0))
     finally:
         proc.join(60)
         if proc.is_alive():
             proc.kill()
         server.stop(0)
-    steady = [r for r in rows[2:] if r["delta"]["kind"] == "delta"]
-    mean = lambda label, key: sum(r[label][key] for r in steady) / max(1, len(steady))  # noqa: E731
+    deltas = [r["delta"] for r in rows[2 : args.steps + 1] if "delta" in r and r["delta"]["kind"] == "delta"]
+    fulls = [r["full"] for r in rows if "full" in r][1:]  # the first is cold
+    mean = lambda xs, key: sum(x[key] for x in xs) / max(1, len(xs))  # noqa: E731
     out = {
         "config": vars(args), "bytes": nbytes, "steps": rows,
         "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
                     "cpus": mp.cpu_count()},
         "steady": {
-            "versions": [r["version"] for r in steady],
-            "wire_fraction": mean("delta", "bytes_pulled") / max(1, mean("full", "bytes_pulled")),
-            "time_fraction_vs_full": mean("delta", "seconds") / max(1e-9, mean("full", "seconds")),
-            "mismatches": sum(r["mismatches"] for r in rows),
+            "delta_versions": len(deltas), "full_versions": len(fulls),
+            "wire_fraction": mean(deltas, "bytes_pulled") / max(1, mean(fulls, "bytes_pulled")),
+            "delta_seconds": mean(deltas, "seconds"), "full_seconds": mean(fulls, "seconds"),
+            "time_fraction_vs_full": mean(deltas, "seconds") / max(1e-9, mean(fulls, "seconds")),
+            "mismatches": sum(r[k]["mismatches"] for r in rows for k in ("delta", "delta_warm_full", "full") if k in r),
         },
     }
     print(json.dumps(out["steady"]), flush=True)

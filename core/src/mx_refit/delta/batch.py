@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Item", "apply_batch"]
 
 Read = tuple[int, int, int]
+Changes = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]  # addresses, new bytes, in-arena flags
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def _sparse_lists(items: list[Item]) -> dict[tuple[int, int], list[tuple[int, in
     return groups
 
 
-def _sparse_group(data: "torch.Tensor", width: int, itemsize: int, lists: list) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+def _sparse_group(data: "torch.Tensor", width: int, itemsize: int, lists: list) -> "Changes":
     """(byte addresses, new bytes, whether each address is already in the arena) of one group."""
     import torch
 
@@ -129,7 +130,7 @@ def _flags(direct: list[bool], lengths: list[int], device: "torch.device") -> "t
     return torch.repeat_interleave(torch.tensor(direct), torch.tensor(lengths)).to(device)
 
 
-def _blocks(data: "torch.Tensor", items: list[Item]) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]":
+def _blocks(data: "torch.Tensor", items: list[Item]) -> "Changes":
     """(byte addresses, new bytes, in-arena flags) of every BLOCKS record."""
     import torch
 
@@ -186,8 +187,6 @@ def apply_batch(arena: "torch.Tensor", data: "torch.Tensor", items: list[Item], 
     """Writes every record of ``items`` (one source's, in ``data``) into ``arena``: directly at
     the arena address of items whose tensor one read holds whole, through the source's plan
     ``reads`` otherwise. Returns the bytes written."""
-    import torch
-
     parts = []
     sparse = [it for it in items if it.form is DeltaForm.SPARSE]
     for (width, itemsize), lists in sorted(_sparse_lists(sparse).items()):

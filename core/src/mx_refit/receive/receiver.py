@@ -111,7 +111,7 @@ class Receiver:
     checksums: _Kept[bool] = _Kept("options")  # verify every pulled byte against the sources' checksums
     fanout: _Kept[str] = _Kept("options")
     max_readers_per_source: _Kept[int] = _Kept("options")
-    delta: _Kept[str] = _Kept("options")  # off | auto | on: delta refits onto the verified version held (auto: where estimated faster)
+    delta: _Kept[str] = _Kept("options")  # off | auto | on: delta refits onto the verified version held
     client: _Kept[Catalog] = _Kept("_cycle")
     transport: _Kept[Transport] = _Kept("_cycle")
     hooks: _Kept[Hooks] = _Kept("_cycle")
