@@ -1,15 +1,16 @@
 """Delta against full refits of a multi-GB model, trainer and receivers in two processes over real
 NIXL DRAM (issue 24): per step the wire bytes and whole-refit time of each, 0 mismatches.
 
-    python benchmarks/bench_delta_2proc.py --gb 5 --steps 6 --out benchmarks/results/delta_2proc_cpu.json
-    python benchmarks/bench_delta_2proc.py --device cuda --gb 5 --steps 6 --out delta_2proc_h200.json  # colocated
+    python benchmarks/bench_delta_2proc.py --gb 5 --steps 4 --out benchmarks/results/delta_2proc_cpu.json
+    python benchmarks/bench_delta_2proc.py --device cuda --gb 5 --steps 6 --auto-steps 4 --out delta_2proc_h200.json
 
-The trainer process holds the model's BF16 tensors (64 MiB each, bf16) and publishes every
-version with ``delta="auto"``; the receiving process holds two receivers: ``delta``
+The trainer process holds the model's BF16 tensors (64 MiB each) and publishes every
+version with ``delta="auto"``; the receiving process runs two receivers: ``delta``
 (``delta="on"``: every version whose base it provably holds comes as a delta, and the estimate
 ``delta: auto`` would choose from is reported beside it) and ``full`` (a plain full refit, the
-baseline). After every refit each of the delta receiver's tensors is compared byte for byte with
-the full receiver's.
+baseline), one after the other (at 5 GB this machine does not hold both arenas beside the trainer's
+two copies); then, with ``--auto-steps``, a ``delta="auto"`` receiver (what it chooses and why).
+After every refit each tensor's SHA-256 is compared with the trainer's (``mismatches``).
 
 The change per step is the one ``bench_delta_fraction.py`` recorded on a real mixed-precision Adam
 run at the chosen learning rate (``benchmarks/results/delta_fraction.json``, steady steps 13-25, in
@@ -25,6 +26,7 @@ shares, two OpenMP threads stall each other.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import platform
@@ -106,6 +108,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--capacity", type=float, default=0.05, help="record buffer, a fraction of the model")
     parser.add_argument("--check-arena", type=int, default=1, help="0: Receiver(delta_check_arena=False)")
+    parser.add_argument("--auto-steps", type=int, default=0, help="then this many versions to a delta='auto' receiver")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     import torch
@@ -168,6 +171,8 @@ def main() -> int:
                 row, want = step(version, steps[i % len(steps)])
                 refit(rec, "delta", version, row, want)
                 rows.append(row)
+        del rec  # its arena goes before the next receiver's comes
+        gc.collect()
         # phase 2: the baseline, a plain full receiver, on versions changed the same way (at 5 GB
         # the machine does not hold both receivers' arenas beside the trainer's two copies)
         with Receiver(server.address, model, device=args.device) as rec:
@@ -176,6 +181,17 @@ def main() -> int:
                 row, want = step(version, steps[i % len(steps)])
                 refit(rec, "full", version, row, want)
                 rows.append(row)
+        del rec
+        gc.collect()
+        # phase 3 (--auto-steps): what delta "auto" chooses, from its own measurements
+        if args.auto_steps:
+            with Receiver(server.address, model, delta="auto", delta_check_arena=bool(args.check_arena),
+                          device=args.device) as rec:
+                for i in range(args.auto_steps):
+                    version += 1
+                    row, want = step(version, steps[i % len(steps)])
+                    refit(rec, "auto", version, row, want)
+                    rows.append(row)
         conn.send(("stop", version + 1, 0.0))
     finally:
         proc.join(60)
@@ -194,7 +210,9 @@ def main() -> int:
             "wire_fraction": mean(deltas, "bytes_pulled") / max(1, mean(fulls, "bytes_pulled")),
             "delta_seconds": mean(deltas, "seconds"), "full_seconds": mean(fulls, "seconds"),
             "time_fraction_vs_full": mean(deltas, "seconds") / max(1e-9, mean(fulls, "seconds")),
-            "mismatches": sum(r[k]["mismatches"] for r in rows for k in ("delta", "delta_warm_full", "full") if k in r),
+            "mismatches": sum(r[k]["mismatches"] for r in rows for k in ("delta", "delta_warm_full", "full", "auto")
+                              if k in r),
+            "auto_kinds": [(r["auto"]["kind"], r["auto"]["delta_refused"]) for r in rows if "auto" in r],
         },
     }
     print(json.dumps(out["steady"]), flush=True)
