@@ -19,7 +19,7 @@ pytestmark = [
 ]
 
 BUFFER = 1 << 20
-SHAPES = {"embed": (4096, 512), "qkv": (1536, 512), "down": (512, 2048), "norm": (512,)}  # ~9 MiB bf16
+SHAPES = {"embed": (4096, 512), "qkv": (1536, 512), "down": (512, 2048), "norm": (512,)}  # 7.5 MiB bf16
 
 
 @pytest.mark.parametrize("transport_mode", ["auto", "nixl"])
@@ -44,6 +44,7 @@ def test_direct_refit_in_vram_through_a_small_buffer(mx_catalog, mx_model_name, 
             peak = torch.cuda.max_memory_allocated(dev) - before
             for name, tensor in live.items():
                 assert torch.equal(engine[name], tensor), (version, name)
-            assert stats.receive_mode == "direct" and stats.chunks >= 9, stats.chunks
+            model_bytes = sum(t.numel() * t.element_size() for t in live.values())
+            assert stats.receive_mode == "direct" and stats.chunks >= model_bytes // BUFFER, stats.chunks
             assert peak <= BUFFER, peak
             pub.wait_drained(version, timeout_s=30)
