@@ -140,7 +140,7 @@ class RefitCycle:
                 return RefitResult(version=leased.info, plan=plan, tensors=[], stats=stats)
             with watch("heartbeat_start"):  # the renewals run already: the arena's allocation
                 full_bytes = widening.arena_bytes if widening else plan.arena_bytes
-                delta = self._delta_plan(info, plan, sum(n for reads in requests.values() for _, _, n in reads))
+                delta = self._delta_plan(info, plan, self._planned_bytes(requests))
                 arena = self._arena_for(max(full_bytes, delta.room if delta else 0))  # grown once for any delta
             self._delta.held = None  # the arena changes from here on
             pulled_by, blocks, delta = self._transfer(watch, leased, arena, widening, delta)
@@ -225,6 +225,13 @@ class RefitCycle:
             self._disarm_copy_sums()
         return pulled, None if pulled.failed_over else fused
 
+    def _planned_bytes(self, requests: "Requests") -> int:
+        """Bytes ``requests`` reads, summed once per requests object (the cached plan's, every
+        steady cycle), not once per range per cycle."""
+        if self._expected[0] is not requests:
+            self._expected = (requests, sum(n for ranges in requests.values() for _, _, n in ranges))
+        return self._expected[1]
+
     def pull(self, leased: "Leased", arena: "torch.Tensor", requests: "Requests | None" = None) -> "FailoverPull":
         """Every planned byte (or those of ``requests``, a batch of them) into ``arena`` from
         the chosen holders; a holder that fails mid-pull has its ranges read from another, or
@@ -241,9 +248,7 @@ class RefitCycle:
             edges=region_edges, label=f"refit of model {self.options.model!r} version {info.version}",
         )
         moved = sum(pulled.report.nbytes.values())
-        if self._expected[0] is not requests:  # the cached plan's requests every steady cycle
-            self._expected = (requests, sum(n for ranges in requests.values() for _, _, n in ranges))
-        expected = self._expected[1]
+        expected = self._planned_bytes(requests)
         if moved != expected:
             raise TransferError(f"pulled {moved} bytes but the plan needs {expected}")
         return pulled
