@@ -13,7 +13,7 @@ same code path. Results are byte-identical to Megatron-Bridge 0.6.2's ``split_qk
   that cuts through a query group, a partial window): copies each band piece to its HF place.
 * :func:`trim_vocab`: drop Megatron's vocabulary padding (a view).
 
-``place_column_blocks`` (used by the receive path) lives in ``mx_refit.layout.receive_plan``.
+``place_column_blocks`` (used by the receive path) lives in ``mx_refit.plan`` (re-exported by ``mx_refit.layout.receive_plan``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -18,7 +18,7 @@ from mx_refit.types import DTYPE_SIZES, ReadOp, Role, TensorDescriptor, VersionI
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["FullTensorPlan", "PlannedOutput", "ReceivePlan", "ViewMemo", "plan_full_tensors"]
+__all__ = ["FullTensorPlan", "PlannedOutput", "ReceivePlan", "ViewMemo", "place_column_blocks", "plan_full_tensors"]
 
 # Roles whose shards are plain slices of the published tensor; anything else needs a layout
 # engine to become HF tensors.
@@ -99,6 +99,23 @@ class ViewMemo:
         restage: list[Callable[[], Any]],
     ) -> None:
         self.key, self.views, self.restage = self.arena_key(arena), views, restage
+
+
+def place_column_blocks(
+    out: "torch.Tensor", blocks: "Sequence[tuple[int, torch.Tensor]]", col_start: int = 0
+) -> "torch.Tensor":
+    """Copy column blocks ``(first_column, block [rows, w])`` of a row-parallel tensor into
+    ``out`` (which holds columns ``[col_start, col_start + out.shape[1])``); one strided copy per
+    block, so every byte is copied once. Returns ``out``."""
+    for first, block in blocks:
+        lo = first - col_start
+        if lo < 0 or lo + block.shape[1] > out.shape[1] or block.shape[0] != out.shape[0]:
+            raise ValueError(
+                f"column block at {first} of shape {tuple(block.shape)} does not fit output columns "
+                f"[{col_start}, {col_start + out.shape[1]}) x {out.shape[0]} rows"
+            )
+        out[:, lo : lo + block.shape[1]].copy_(block)
+    return out
 
 
 @dataclass

@@ -11,7 +11,7 @@ every offset and shape relative to the base.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from mx_refit.copies import BatchedCopy, Block, copy_mode
 from mx_refit.copies import available as copies_available
 from mx_refit.errors import InvalidArgument
-from mx_refit.plan import PlannedOutput, ViewMemo
+from mx_refit.plan import PlannedOutput, ViewMemo, place_column_blocks
 from mx_refit.types import ReadOp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -200,18 +200,3 @@ def describe_plan(plan: MegatronReceivePlan) -> dict[str, Any]:
     }
 
 
-def place_column_blocks(
-    out: torch.Tensor, blocks: Sequence[tuple[int, torch.Tensor]], col_start: int = 0
-) -> torch.Tensor:
-    """Copy column blocks ``(first_column, block [rows, w])`` of a row-parallel tensor into
-    ``out`` (which holds columns ``[col_start, col_start + out.shape[1])``); one strided copy per
-    block, so every byte is copied once. Returns ``out``."""
-    for first, block in blocks:
-        lo = first - col_start
-        if lo < 0 or lo + block.shape[1] > out.shape[1] or block.shape[0] != out.shape[0]:
-            raise ValueError(
-                f"column block at {first} of shape {tuple(block.shape)} does not fit output columns "
-                f"[{col_start}, {col_start + out.shape[1]}) x {out.shape[0]} rows"
-            )
-        out[:, lo : lo + block.shape[1]].copy_(block)
-    return out

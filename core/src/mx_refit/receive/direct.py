@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mx_refit.errors import FailedPrecondition, InvalidArgument, PartiallyUpdated
+from mx_refit.plan import place_column_blocks
 from mx_refit.receive.failover import merged_pulls
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -176,10 +177,10 @@ def _place(buffer: "torch.Tensor", piece: Piece) -> "torch.Tensor":
     row = out.nbytes // _rows(out)
     region = buffer[piece.at : piece.at + piece.rows * row]
     if out.copies:
-        grid = region.view(piece.rows * out.sub, row // out.sub)
-        for (_, stride, width, col), b_at in zip(out.copies, piece.blocks):
-            block = buffer.as_strided((piece.rows * out.sub, width), (stride, 1), buffer.storage_offset() + b_at)
-            grid[:, col : col + width].copy_(block)
+        place_column_blocks(region.view(piece.rows * out.sub, row // out.sub), [
+            (col, buffer.as_strided((piece.rows * out.sub, width), (stride, 1), buffer.storage_offset() + b_at))
+            for (_, stride, width, col), b_at in zip(out.copies, piece.blocks)
+        ])
     shape = out.shape if piece.whole else (piece.rows, *out.shape[1:])
     return region.view(getattr(torch, out.dtype)).view(shape)
 
